@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create or update .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint format reproduce bench clean
+
+venv: $(STAMP)
+
+# torch is installed first, pinned to the CPU build this environment ships: an unpinned torch
+# would pull a multi-GB CUDA build. The simulator itself does not import torch.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[engine,dev]"
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/python -m sim.demo
+
+test: venv
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900
+
+lint: venv
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+bench: venv
+	$(BIN)/python benchmarks/sim_speed.py
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

@@ -1,0 +1,154 @@
+"""The shared vocabulary of both executors: requests, sequences, batches, cursors.
+
+Plain classes with no dependency beyond the standard library, so that the simulator and the real
+engine hold the very same objects.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+LS = "LS"  # latency-sensitive
+BE = "BE"  # best-effort
+CLASSES = (LS, BE)
+
+
+class Granularity(enum.IntEnum):
+    """Where a policy may take the processor away from the running batch (coarse to fine)."""
+
+    REQUEST = 0  # a batch runs until all its sequences finish (static batching)
+    ITERATION = 1  # decisions between iterations only (Orca, vLLM, TGI)
+    LAYER = 2  # also after each attention and router stage and at each layer's end
+    EXPERT = 3  # also after every expert (per-expert queues, QLLM)
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Stage(enum.IntEnum):
+    """Stages inside one layer, in execution order."""
+
+    ATTENTION = 0
+    ROUTER = 1
+    EXPERT = 2
+
+
+@dataclass(frozen=True)
+class Request:
+    """One job as the workload describes it. ``output_tokens`` counts the first token too."""
+
+    id: int
+    cls: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    source: str = "synthetic"
+    text: str | None = None  # prompt text, when the workload has one (the real engine uses it)
+
+    def __post_init__(self) -> None:
+        if self.cls not in CLASSES:
+            raise ValueError(f"request {self.id}: class {self.cls!r} is not one of {CLASSES}")
+        if self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise ValueError(f"request {self.id}: prompt and output need at least one token")
+
+
+@dataclass
+class Sequence:
+    """A request's execution state, owned by the scheduler while it is in the system."""
+
+    request: Request
+    generated: int = 0  # tokens produced so far (the prefill produces the first)
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    preemptions: int = 0
+    scheduled_s: float | None = None  # first time the sequence entered an executing batch
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+    @property
+    def cls(self) -> str:
+        return self.request.cls
+
+    @property
+    def is_ls(self) -> bool:
+        return self.request.cls == LS
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.PREFILL if self.generated == 0 else Phase.DECODE
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens in the KV cache before the next iteration runs."""
+        return 0 if self.generated == 0 else self.request.prompt_tokens + self.generated - 1
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens the next iteration feeds through the model for this sequence."""
+        return self.request.prompt_tokens if self.generated == 0 else 1
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens reserved on admission: prompt plus every token it will generate."""
+        return self.request.prompt_tokens + self.request.output_tokens
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.request.output_tokens
+
+
+_batch_ids = itertools.count()
+
+
+@dataclass
+class Batch:
+    """Sequences that run one iteration together (all prefill or all decode).
+
+    ``cursor`` is the number of stages of the current iteration already executed; the executor
+    maps it to (layer, stage, expert). ``plan`` is the executor's private state for the
+    iteration in progress (stage times in the simulator; hidden states, routing and partial
+    expert outputs in the real engine); it survives a preemption, so a resumed batch loses no
+    work.
+    """
+
+    sequences: list[Sequence]
+    phase: Phase
+    id: int = field(default_factory=lambda: next(_batch_ids))
+    cursor: int = 0
+    plan: Any = None
+    suspended_since_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.sequences:
+            raise ValueError("a batch needs at least one sequence")
+        wrong = [s.id for s in self.sequences if s.phase is not self.phase]
+        if wrong:
+            raise ValueError(f"sequences {wrong} are not in phase {self.phase.value}")
+
+    @property
+    def size(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(s.new_tokens for s in self.sequences)
+
+    @property
+    def has_ls(self) -> bool:
+        return any(s.is_ls for s in self.sequences)
+
+    @property
+    def started(self) -> bool:
+        return self.cursor > 0 or self.plan is not None
+
+    def __repr__(self) -> str:
+        ids = ",".join(str(s.id) for s in self.sequences[:6])
+        more = "..." if self.size > 6 else ""
+        return f"Batch#{self.id}({self.phase.value}, n={self.size}, ids={ids}{more})"

@@ -1,0 +1,34 @@
+"""Request-level FCFS: static batches that run to completion (FasterTransformer style).
+
+The oldest waiting requests form a batch (up to ``max_batch_size`` and the prefill token
+budget); the batch is prefilled, then decodes until every sequence in it has finished. Nothing
+joins a running batch. Memory: a request whose KV reservation does not fit waits for the next
+batch; the batch forms from the requests before it (no overtaking).
+"""
+
+from __future__ import annotations
+
+from policies.core import Batch, Granularity
+from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch
+
+
+class FCFS(Policy):
+    name = "fcfs"
+    granularity = Granularity.REQUEST
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.members: set[int] = set()  # ids of the running static batch
+
+    def select(self, s: Scheduler, now: float) -> Batch | None:
+        if self.members:
+            ready = [q for c in s.ready for q in s.ready[c] if q.id in self.members]
+            for seq in ready:
+                s.ready[seq.cls].remove(seq)
+            return decode_batch(sorted(ready, key=lambda q: q.id))
+        seqs = s.take_prefill(s.waiting_fifo(), self.max_batch_size, self.max_batch_prefill_tokens)
+        self.members = {q.id for q in seqs}
+        return prefill_batch(seqs)
+
+    def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
+        self.members -= {q.id for q in batch.sequences if q.done}

@@ -1,0 +1,31 @@
+"""Priority scheduling decided only between iterations, like vLLM's ``priority`` policy.
+
+Waiting requests are admitted LS first, then BE, each FIFO, whenever the running batch has
+room (prefill-first continuous batching, as vLLM's default scheduler). Nothing is preempted
+mid-iteration, and a full batch is not broken up for an LS arrival: the LS request waits for
+a slot (vLLM's known limitation when ``max_num_seqs`` is reached).
+
+Memory: as ``iteration``: prompt + output tokens reserved on admission; what does not fit waits.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from policies.core import BE, LS, Batch, Granularity
+from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch
+
+
+class Priority(Policy):
+    name = "priority"
+    granularity = Granularity.ITERATION
+
+    def select(self, s: Scheduler, now: float) -> Batch | None:
+        running = sum(len(q) for q in s.ready.values())
+        room = self.max_batch_size - running
+        if room > 0:
+            candidates = itertools.chain(s.waiting[LS], s.waiting[BE])
+            seqs = s.take_prefill(candidates, room, self.max_batch_prefill_tokens)
+            if seqs:
+                return prefill_batch(seqs)
+        return decode_batch(s.take_ready(LS, running) + s.take_ready(BE, running))

@@ -1,0 +1,16 @@
+"""QLLM: Algorithm 1 with per-expert queues, so a batch may also be preempted after any expert.
+
+Selection, preemption rule and memory behaviour are those of ``layer`` (see policies/layer.py);
+only the granularity is finer: an LS arrival waits for the end of the expert in progress
+instead of the end of the layer stage.
+"""
+
+from __future__ import annotations
+
+from policies.core import Granularity
+from policies.layer import LayerPreemptive
+
+
+class QLLM(LayerPreemptive):
+    name = "qllm"
+    granularity = Granularity.EXPERT

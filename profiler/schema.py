@@ -1,0 +1,239 @@
+"""The profile format: the one module that owns it (torch-free, read by the simulator).
+
+A profile is a directory with two files:
+
+``profile.json``: metadata::
+
+    {"schema_version": 1, "name": str, "source": "measured" | "analytic" | "calibrated",
+     "description": str, "calibration": str,          # how the numbers were obtained
+     "device": str, "dtype": str, "torch_version": str | null,
+     "transformers_version": str | null, "created": "YYYY-MM-DD",
+     "model": {"name", "num_layers", "num_experts", "top_k", "hidden_size",
+               "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "vocab_size"},
+     "memory": {"kv_capacity_tokens", "kv_bytes_per_token", "activation_bytes_per_token"},
+     "routing": {"expert_load": [[float] * num_experts] * num_layers | null}}
+
+``expert_load[l][e]`` is the fraction of layer l's token-to-expert assignments that expert e
+received (each row sums to 1); null means uniform routing.
+
+``ops.csv``: one row per measured point, times in milliseconds for ONE layer (the executor
+multiplies per-layer ops by the number of layers)::
+
+    op,batch_size,num_tokens,kv_tokens,median_ms,p90_ms
+
+========================  =============================  ==================================
+op                        key columns (others are 0)     what was timed
+========================  =============================  ==================================
+``attn_prefill``          num_tokens                     one sequence's prefill through a
+                                                         layer's norm + attention (n tokens,
+                                                         empty cache)
+``attn_decode``           batch_size, kv_tokens          a decode batch through a layer's
+                                                         norm + attention, kv_tokens = mean
+                                                         context length per sequence
+``router``                num_tokens                     post-attention norm + gate + top-k
+``expert``                num_tokens                     one expert's FFN on n tokens,
+                                                         including gather and scatter-add
+``lm_head``               batch_size                     final norm + lm_head + greedy sampling
+                                                         of one token per sequence
+``step_overhead``         batch_size                     per-iteration framework cost:
+                                                         embeddings, input preparation, Python
+========================  =============================  ==================================
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+OPS: dict[str, tuple[str, ...]] = {
+    "attn_prefill": ("num_tokens",),
+    "attn_decode": ("batch_size", "kv_tokens"),
+    "router": ("num_tokens",),
+    "expert": ("num_tokens",),
+    "lm_head": ("batch_size",),
+    "step_overhead": ("batch_size",),
+}
+COLUMNS = ("op", "batch_size", "num_tokens", "kv_tokens", "median_ms", "p90_ms")
+META_FILE = "profile.json"
+OPS_FILE = "ops.csv"
+
+
+class ProfileError(ValueError):
+    """A profile directory is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class OpPoint:
+    op: str
+    batch_size: int = 0
+    num_tokens: int = 0
+    kv_tokens: int = 0
+    median_ms: float = 0.0
+    p90_ms: float = 0.0
+
+    def key(self) -> tuple[int, ...]:
+        return tuple(getattr(self, k) for k in OPS[self.op])
+
+
+@dataclass
+class ModelShape:
+    name: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @property
+    def kv_bytes_per_token_fp16(self) -> int:
+        return 2 * self.num_layers * self.num_key_value_heads * self.head_dim * 2
+
+
+@dataclass
+class Memory:
+    kv_capacity_tokens: int
+    kv_bytes_per_token: int
+    activation_bytes_per_token: int
+
+
+@dataclass
+class Profile:
+    name: str
+    source: str
+    description: str
+    calibration: str
+    device: str
+    dtype: str
+    model: ModelShape
+    memory: Memory
+    points: list[OpPoint]
+    expert_load: list[list[float]] | None = None
+    torch_version: str | None = None
+    transformers_version: str | None = None
+    created: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        where = f"profile {self.name!r}"
+        for p in self.points:
+            if p.op not in OPS:
+                raise ProfileError(f"{where}: unknown op {p.op!r}; expected one of {sorted(OPS)}")
+            if not (math.isfinite(p.median_ms) and p.median_ms >= 0):
+                raise ProfileError(f"{where}: {p.op} at {p.key()} has median_ms={p.median_ms}")
+        missing = set(OPS) - {p.op for p in self.points}
+        if missing:
+            raise ProfileError(f"{where}: no points for ops {sorted(missing)}")
+        m = self.model
+        if min(m.num_layers, m.num_experts, m.top_k) < 1 or m.top_k > m.num_experts:
+            raise ProfileError(f"{where}: bad model shape {asdict(m)}")
+        if self.expert_load is not None:
+            if len(self.expert_load) != m.num_layers or any(
+                len(row) != m.num_experts for row in self.expert_load
+            ):
+                raise ProfileError(
+                    f"{where}: expert_load must be {m.num_layers} rows of {m.num_experts}"
+                )
+            for row in self.expert_load:
+                if min(row) < 0 or not math.isclose(sum(row), 1.0, rel_tol=1e-3):
+                    raise ProfileError(f"{where}: each expert_load row must sum to 1")
+        if self.memory.kv_capacity_tokens < 1:
+            raise ProfileError(f"{where}: kv_capacity_tokens must be >= 1")
+
+    def op_points(self, op: str) -> list[OpPoint]:
+        return sorted((p for p in self.points if p.op == op), key=OpPoint.key)
+
+    # ------------------------------------------------------------------------------------ I/O
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "source": self.source,
+            "description": self.description,
+            "calibration": self.calibration,
+            "device": self.device,
+            "dtype": self.dtype,
+            "torch_version": self.torch_version,
+            "transformers_version": self.transformers_version,
+            "created": self.created,
+            "model": asdict(self.model),
+            "memory": asdict(self.memory),
+            "routing": {"expert_load": self.expert_load},
+            "extra": self.extra,
+        }
+        (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        with open(directory / OPS_FILE, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(COLUMNS)
+            for p in sorted(self.points, key=lambda p: (p.op, p.key())):
+                w.writerow([p.op, p.batch_size, p.num_tokens, p.kv_tokens,
+                            f"{p.median_ms:.6g}", f"{p.p90_ms:.6g}"])  # fmt: skip
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Profile:
+        directory = Path(directory)
+        meta_path, ops_path = directory / META_FILE, directory / OPS_FILE
+        for path in (meta_path, ops_path):
+            if not path.is_file():
+                raise ProfileError(f"profile file not found: {path}")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"{meta_path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        if meta.get("schema_version") != SCHEMA_VERSION:
+            raise ProfileError(
+                f"{meta_path}: schema_version {meta.get('schema_version')!r}, "
+                f"expected {SCHEMA_VERSION}"
+            )
+        points = []
+        with open(ops_path, newline="") as f:
+            reader = csv.DictReader(f)
+            if tuple(reader.fieldnames or ()) != COLUMNS:
+                raise ProfileError(f"{ops_path}: header must be {','.join(COLUMNS)}")
+            for lineno, row in enumerate(reader, start=2):
+                try:
+                    points.append(
+                        OpPoint(
+                            op=row["op"],
+                            batch_size=int(row["batch_size"]),
+                            num_tokens=int(row["num_tokens"]),
+                            kv_tokens=int(row["kv_tokens"]),
+                            median_ms=float(row["median_ms"]),
+                            p90_ms=float(row["p90_ms"]),
+                        )
+                    )
+                except (TypeError, ValueError):
+                    raise ProfileError(f"{ops_path}:{lineno}: malformed row {row}") from None
+        try:
+            return cls(
+                name=meta["name"],
+                source=meta["source"],
+                description=meta.get("description", ""),
+                calibration=meta.get("calibration", ""),
+                device=meta["device"],
+                dtype=meta["dtype"],
+                model=ModelShape(**meta["model"]),
+                memory=Memory(**meta["memory"]),
+                points=points,
+                expert_load=(meta.get("routing") or {}).get("expert_load"),
+                torch_version=meta.get("torch_version"),
+                transformers_version=meta.get("transformers_version"),
+                created=meta.get("created", ""),
+                extra=meta.get("extra") or {},
+            )
+        except (KeyError, TypeError) as e:
+            raise ProfileError(f"{meta_path}: missing or malformed field ({e})") from None

@@ -1,0 +1,3 @@
+from sim.app import cli
+
+cli()

@@ -1,0 +1,147 @@
+"""Structured configs (Hydra ConfigStore schemas) and the checks OmegaConf cannot express.
+
+Every run is validated twice: OmegaConf checks types and enum values against these dataclasses
+when the config is composed, and ``validate`` checks ranges and cross-field rules. Both fail
+with one line naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+class UserError(Exception):
+    """An error the user caused (bad value, bad path, malformed file): printed as one line."""
+
+
+class WorkloadKind(enum.Enum):
+    sharegpt = "sharegpt"
+    humaneval = "humaneval"
+    trace = "trace"
+    synthetic = "synthetic"
+    card = "card"  # HumanEval jobs are LS, ShareGPT jobs are BE
+
+
+class Arrival(enum.Enum):
+    poisson = "poisson"
+    gamma = "gamma"
+    trace = "trace"  # the trace's own timestamps (optionally rescaled to ``rate``)
+
+
+class LengthDist(enum.Enum):
+    fixed = "fixed"
+    uniform = "uniform"  # integers in [min, max]
+    lognormal = "lognormal"  # median = tokens, shape = sigma, clipped to [min, max]
+
+
+class RoutingMode(enum.Enum):
+    uniform = "uniform"
+    zipf = "zipf"
+    profile = "profile"
+
+
+@dataclass
+class LengthConfig:
+    dist: LengthDist = LengthDist.fixed
+    tokens: int = 128
+    min: int = 1
+    max: int = 2048
+    sigma: float = 0.8
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = "paper"
+    kind: WorkloadKind = WorkloadKind.sharegpt
+    num_requests: int = 1000
+    rate: float | None = 5.0  # requests/s; for arrival=trace, null keeps the trace's own rate
+    arrival: Arrival = Arrival.poisson
+    cv: float = 1.0  # coefficient of variation of gamma inter-arrival times
+    ls_fraction: float = 0.2  # each job is LS with this probability
+    path: str | None = None  # ShareGPT JSON or trace CSV; null: the packaged data set
+    max_output_tokens: int | None = None  # cap on output tokens (max_new_tokens)
+    min_tokens: int = 4  # vLLM's ShareGPT filter
+    max_prompt_tokens: int = 1024
+    max_total_tokens: int = 2048
+    prompt: LengthConfig = field(default_factory=LengthConfig)  # synthetic only
+    output: LengthConfig = field(default_factory=LengthConfig)  # synthetic only
+
+
+@dataclass
+class ProfileConfig:
+    name: str = "a100-mixtral-nf4-hf"  # a built-in profile, or one under results/profiles/
+    path: str | None = None  # a profile directory; overrides name
+    kv_capacity_tokens: int | None = None  # null: the profile's own figure
+    routing: RoutingMode = RoutingMode.uniform
+    routing_skew: float = 1.0  # zipf exponent
+
+
+@dataclass
+class PolicyConfig:
+    _target_: str = MISSING
+    name: str = MISSING
+    max_batch_size: int = 32
+    max_batch_prefill_tokens: int = 4096
+
+
+@dataclass
+class SloConfig:
+    ls_ttft_s: float = 3.0
+    be_ttft_s: float | None = None  # null: BE has no SLO (counted as met)
+
+
+@dataclass
+class SimConfig:
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    policy: Any = MISSING  # PolicyConfig or a subclass schema from conf/policy
+    slo: SloConfig = field(default_factory=SloConfig)
+    seed: int = 0
+    boundary_mode: str = "lookup"  # lookup (one event per step) | step (every boundary)
+    progress: bool = False
+
+
+def validate(cfg: Any) -> None:
+    """Range and cross-field checks; raises UserError naming the key."""
+    w, p, pol, slo = cfg.workload, cfg.profile, cfg.policy, cfg.slo
+
+    def need(ok: bool, key: str, value: Any, allowed: str) -> None:
+        if not ok:
+            raise UserError(f"{key}={value}: {allowed}")
+
+    need(w.num_requests >= 1, "workload.num_requests", w.num_requests, "must be >= 1")
+    arrival = w.arrival.value if isinstance(w.arrival, enum.Enum) else w.arrival
+    if w.rate is None:
+        need(arrival == "trace", "workload.rate", None, "required unless workload.arrival=trace")
+    else:
+        need(w.rate > 0, "workload.rate", w.rate, "must be > 0 (requests per second)")
+    need(w.cv > 0, "workload.cv", w.cv, "must be > 0")
+    need(0 <= w.ls_fraction <= 1, "workload.ls_fraction", w.ls_fraction, "must be in [0, 1]")
+    if w.max_output_tokens is not None:
+        need(w.max_output_tokens >= 1, "workload.max_output_tokens", w.max_output_tokens, ">= 1")
+    for name in ("prompt", "output"):
+        d = w[name]
+        need(1 <= d.min <= d.max, f"workload.{name}.min", d.min, f"must be in [1, {name}.max]")
+        need(d.tokens >= 1, f"workload.{name}.tokens", d.tokens, "must be >= 1")
+        need(d.sigma > 0, f"workload.{name}.sigma", d.sigma, "must be > 0")
+    if p.kv_capacity_tokens is not None:
+        need(p.kv_capacity_tokens >= 1, "profile.kv_capacity_tokens", p.kv_capacity_tokens, ">= 1")
+    need(p.routing_skew >= 0, "profile.routing_skew", p.routing_skew, "must be >= 0")
+    need(pol.max_batch_size >= 1, "policy.max_batch_size", pol.max_batch_size, "must be >= 1")
+    need(
+        pol.max_batch_prefill_tokens >= 1,
+        "policy.max_batch_prefill_tokens",
+        pol.max_batch_prefill_tokens,
+        "must be >= 1",
+    )
+    need(slo.ls_ttft_s > 0, "slo.ls_ttft_s", slo.ls_ttft_s, "must be > 0 seconds")
+    need(
+        cfg.boundary_mode in ("lookup", "step"),
+        "boundary_mode",
+        cfg.boundary_mode,
+        "must be lookup or step",
+    )

@@ -1,0 +1,35 @@
+"""Built-in profiles (one directory each, in the schema of profiler/schema.py) and lookup."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from profiler.schema import Profile, ProfileError
+from sim.config import UserError
+
+BUILTIN_DIR = Path(__file__).resolve().parent
+MEASURED_DIR = Path("results") / "profiles"  # where qllm-profile writes, relative to the cwd
+
+
+def available() -> list[str]:
+    names = {p.parent.name for p in BUILTIN_DIR.glob("*/profile.json")}
+    names |= {p.parent.name for p in MEASURED_DIR.glob("*/profile.json")}
+    return sorted(names)
+
+
+def load(name: str, path: str | None = None) -> Profile:
+    """A profile by directory (``path``) or by name: built-in first, then results/profiles/."""
+    if path:
+        directory = Path(path).expanduser()
+        if not directory.is_dir():
+            raise UserError(f"profile.path={path}: not a directory")
+    else:
+        directory = BUILTIN_DIR / name
+        if not (directory / "profile.json").is_file():
+            directory = MEASURED_DIR / name
+        if not (directory / "profile.json").is_file():
+            raise UserError(f"profile.name={name}: unknown profile; available: {available()}")
+    try:
+        return Profile.load(directory)
+    except ProfileError as e:
+        raise UserError(str(e)) from None

@@ -1,0 +1,52 @@
+"""Shared fixtures: a small hand-made profile with simple, known op times."""
+
+from __future__ import annotations
+
+import pytest
+
+from profiler.schema import Memory, ModelShape, OpPoint, Profile
+
+
+def linear_profile(
+    num_layers: int = 4,
+    num_experts: int = 8,
+    top_k: int = 2,
+    attn_ms: float = 1.0,
+    router_ms: float = 0.2,
+    expert_ms: float = 0.5,
+    expert_per_token_ms: float = 0.01,
+    lm_head_ms: float = 2.0,
+    overhead_ms: float = 3.0,
+    kv_capacity_tokens: int = 1_000_000,
+) -> Profile:
+    """Op times that are easy to reason about: attention and router constant, expert affine in
+    its token count, lm_head and overhead constant."""
+    pts = []
+    for n in (1, 2, 4096):
+        pts.append(OpPoint("attn_prefill", num_tokens=n, median_ms=attn_ms, p90_ms=attn_ms))
+        pts.append(OpPoint("router", num_tokens=n, median_ms=router_ms, p90_ms=router_ms))
+        t = expert_ms + expert_per_token_ms * n
+        pts.append(OpPoint("expert", num_tokens=n, median_ms=t, p90_ms=t))
+    for b in (1, 64):
+        for kv in (0, 4096):
+            pts.append(OpPoint("attn_decode", batch_size=b, kv_tokens=kv, median_ms=attn_ms,
+                               p90_ms=attn_ms))  # fmt: skip
+        pts.append(OpPoint("lm_head", batch_size=b, median_ms=lm_head_ms, p90_ms=lm_head_ms))
+        pts.append(OpPoint("step_overhead", batch_size=b, median_ms=overhead_ms,
+                           p90_ms=overhead_ms))  # fmt: skip
+    return Profile(
+        name="test-linear",
+        source="calibrated",
+        description="test fixture",
+        calibration="hand-made",
+        device="none",
+        dtype="none",
+        model=ModelShape("test", num_layers, num_experts, top_k, 64, 128, 4, 2, 16, 512),
+        memory=Memory(kv_capacity_tokens, kv_bytes_per_token=1024, activation_bytes_per_token=128),
+        points=pts,
+    )
+
+
+@pytest.fixture
+def profile() -> Profile:
+    return linear_profile()
