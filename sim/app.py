@@ -8,6 +8,7 @@ Examples::
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -47,11 +48,17 @@ def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR, groups=GROUP
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    run_dir = HydraConfig.get().runtime.output_dir
+    finished = Path(run_dir) / "summary.json"
+    if cfg.resume and finished.is_file():
+        # a rerun of an interrupted sweep: this job finished before (summary.json is written
+        # last and atomically), so keep its results
+        print(f"skipping finished run {run_dir}")
+        return json.loads(finished.read_text())["classes"]["LS"]["ttft_s"]["mean"]
     try:
         out = simulate(cfg)
     except UserError as e:
         fail("qllm-sim", str(e))
-    run_dir = HydraConfig.get().runtime.output_dir
     write_outputs(run_dir, out.requests, out.summary)
     ls, be = out.summary["classes"]["LS"], out.summary["classes"]["BE"]
     jobs_per_s = out.summary["throughput"]["jobs_per_s"]

@@ -103,6 +103,7 @@ class SimConfig:
     seed: int = 0
     boundary_mode: str = "lookup"  # lookup (one event per step) | step (every boundary)
     progress: bool = False
+    resume: bool = True  # skip a run whose directory already holds a summary.json
 
 
 def validate(cfg: Any) -> None:

@@ -1,0 +1,118 @@
+"""Workloads: the list of requests a simulation replays.
+
+A workload fixes, for each request, its arrival time, class (LS or BE) and lengths, drawn from a
+data set (ShareGPT, HumanEval), a trace or a synthetic distribution. Three independent random
+streams (arrivals, classes, length sampling) derive from the seed, so changing one choice, say
+the arrival process, leaves the others as they were.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policies.core import BE, LS, Request
+from sim.config import Arrival, UserError, WorkloadKind
+from sim.workloads import arrivals, humaneval, sharegpt, synthetic, trace
+from sim.workloads.cache import Pool
+
+__all__ = ["build_workload"]
+
+
+def build_workload(cfg: Any, seed: int) -> list[Request]:
+    """Requests sorted by arrival, with ids 0..n-1; the same (cfg, seed) gives the same list.
+
+    ``cfg`` is a WorkloadConfig, as a dataclass or an OmegaConf DictConfig.
+    """
+    kind, arrival, n = WorkloadKind(cfg.kind), Arrival(cfg.arrival), cfg.num_requests
+    if n < 1:
+        raise UserError(f"workload.num_requests={n}: must be >= 1")
+    if arrival is Arrival.trace and kind is not WorkloadKind.trace:
+        raise UserError(f"workload.arrival=trace: needs workload.kind=trace, not {kind.value}")
+    if arrival is not Arrival.trace and cfg.rate is None:
+        raise UserError("workload.rate=None: required unless workload.arrival=trace")
+    arrival_rng, class_rng, sample_rng = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
+    )
+    is_ls = class_rng.random(n) < cfg.ls_fraction
+    path = Path(cfg.path).expanduser() if cfg.path else None
+
+    jobs = _Jobs(n)
+    timestamps = None
+    if kind is WorkloadKind.trace:
+        if path is None:
+            raise UserError("workload.path=None: workload.kind=trace needs a trace CSV")
+        timestamps, pool = trace.read_trace(path)
+        jobs.fill(np.arange(n), pool, np.arange(n) % len(pool), "trace")  # rows in trace order
+    elif kind is WorkloadKind.synthetic:
+        prompt = synthetic.lengths(cfg.prompt, n, sample_rng)
+        output = synthetic.lengths(cfg.output, n, sample_rng)
+        jobs.fill(np.arange(n), Pool(prompt, output), np.arange(n), "synthetic")
+    elif kind is WorkloadKind.card:
+        # The design card's mix: code completions are latency-sensitive, chat is best-effort.
+        for where, load, source in (
+            (np.flatnonzero(is_ls), humaneval.load_pool, "humaneval"),
+            (np.flatnonzero(~is_ls), lambda: _sharegpt(cfg, path), "sharegpt"),
+        ):
+            if where.size:  # a pool no job needs is not even loaded
+                pool = load()
+                jobs.fill(where, pool, _draw(len(pool), where.size, sample_rng), source)
+    else:
+        pool = humaneval.load_pool() if kind is WorkloadKind.humaneval else _sharegpt(cfg, path)
+        jobs.fill(np.arange(n), pool, _draw(len(pool), n, sample_rng), kind.value)
+
+    if cfg.max_output_tokens is not None:
+        jobs.output = np.minimum(jobs.output, cfg.max_output_tokens)
+    if arrival is Arrival.trace:
+        times = arrivals.replay(timestamps, n, cfg.rate)
+    elif arrival is Arrival.gamma:
+        times = arrivals.gamma(n, cfg.rate, cfg.cv, arrival_rng)
+    else:
+        times = arrivals.poisson(n, cfg.rate, arrival_rng)
+
+    # Every arrival process yields non-decreasing times, so index order is arrival order.
+    return [
+        Request(
+            id=i,
+            cls=LS if is_ls[i] else BE,
+            arrival_s=float(times[i]),
+            prompt_tokens=int(jobs.prompt[i]),
+            output_tokens=int(jobs.output[i]),
+            source=jobs.source[i],
+            text=jobs.text[i],
+        )
+        for i in range(n)
+    ]
+
+
+class _Jobs:
+    """Lengths, sources and texts of the n jobs, filled in pool by pool."""
+
+    def __init__(self, n: int) -> None:
+        self.prompt = np.zeros(n, dtype=np.int64)
+        self.output = np.zeros(n, dtype=np.int64)
+        self.source: list[str] = [""] * n
+        self.text: list[str | None] = [None] * n
+
+    def fill(self, where: np.ndarray, pool: Pool, rows: np.ndarray, source: str) -> None:
+        self.prompt[where] = pool.prompt_tokens[rows]
+        self.output[where] = pool.output_tokens[rows]
+        for i, row in zip(where, rows, strict=True):
+            self.source[i] = source
+            self.text[i] = pool.text[row] if pool.text is not None else None
+
+
+def _draw(pool_size: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` rows of a seeded permutation of the pool, cycling when n exceeds the pool."""
+    return rng.permutation(pool_size)[np.arange(n) % pool_size]
+
+
+def _sharegpt(cfg: Any, path: Path | None) -> Pool:
+    return sharegpt.load_pool(
+        path,
+        min_tokens=cfg.min_tokens,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        max_total_tokens=cfg.max_total_tokens,
+    )

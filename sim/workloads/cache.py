@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from sim.workloads.tokenizer import TOKENIZER_FILE
 
-FORMAT_VERSION = 1  # bump when what a cached table means changes
+FORMAT_VERSION = 2  # bump when what a cached table means changes
 _META_KEY = b"qllm_meta"
 
 
@@ -79,7 +79,7 @@ def _read(path: Path) -> Pool:
         prompt_tokens=table["prompt_tokens"].to_numpy(),
         output_tokens=table["output_tokens"].to_numpy(),
         text=table["text"].to_pylist(),
-        meta=json.loads(table.schema.metadata[_META_KEY]),
+        meta=json.loads((table.schema.metadata or {})[_META_KEY]),
     )
 
 
