@@ -6,6 +6,11 @@ Four FCFS queues: LS-prefill, LS-decode, BE-prefill, BE-decode. The next batch i
 3. LS-decode jobs, the rest filled from BE-decode;
 4. a suspended batch, resumed from its cursor (ours: the paper leaves resume order open);
 5. BE-decode jobs; 6. BE-prefill jobs.
+Ours, on by default (``refill_be``): when fewer than a batch of BE-decode jobs remain and
+BE-prefill jobs wait, those are prefilled first so decode batches stay full, as continuous
+batching does. Read literally, step 6 admits BE prefills only once no BE decode is left, so
+the last long BE sequences decode in ever smaller batches while new BE jobs wait; with
+``refill_be=false`` that literal reading is available.
 A running batch without LS jobs is preempted at the next boundary (after an attention or
 router stage, or at a layer's end) once an LS job waits and its KV reservation, plus the
 suspended batch's saved activations, fit in memory; otherwise it keeps running.
@@ -24,6 +29,10 @@ class LayerPreemptive(Policy):
     name = "layer"
     granularity = Granularity.LAYER
 
+    def __init__(self, refill_be: bool = True, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.refill_be = refill_be
+
     def select(self, s: Scheduler, now: float) -> Batch | None:
         size, budget = self.max_batch_size, self.max_batch_prefill_tokens
         if len(s.ready[LS]) >= size:
@@ -41,9 +50,12 @@ class LayerPreemptive(Policy):
             return decode_batch(ls + s.take_ready(BE, size - len(ls)))
         if s.suspended:
             return s.suspended[0]
-        if s.ready[BE]:
-            return decode_batch(s.take_ready(BE, size))
-        return prefill_batch(s.take_prefill(s.waiting[BE], size, budget))
+        room = size - len(s.ready[BE])
+        if room > 0 and (self.refill_be or not s.ready[BE]):
+            refill = s.take_prefill(s.waiting[BE], room, budget)
+            if refill:
+                return prefill_batch(refill)
+        return decode_batch(s.take_ready(BE, size))
 
     def wants_preempt(self, s: Scheduler, running: Batch) -> bool:
         if running.has_ls or not s.waiting[LS]:

@@ -46,7 +46,7 @@ def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR, groups=GROUP
     return None
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     run_dir = HydraConfig.get().runtime.output_dir
     finished = Path(run_dir) / "summary.json"

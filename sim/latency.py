@@ -100,7 +100,7 @@ class RoutingModel:
     same distribution). Larger token counts (prefills) are drawn fresh every time.
     """
 
-    POOLED_MAX_TOKENS = 256
+    POOLED_MAX_TOKENS = 64
 
     def __init__(
         self,

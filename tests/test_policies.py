@@ -136,3 +136,16 @@ def test_algorithm1_does_not_preempt_when_ls_cannot_fit_in_memory():
     s.next_batch(0)
     s.arrive(req(1, "LS", prompt=30, out=5), 1)  # 35 + 25 held activations > 40 free
     assert not s.should_preempt()
+
+
+@pytest.mark.parametrize("refill", [True, False])
+def test_algorithm1_refills_be_decode_batches_only_when_asked(refill):
+    s = Scheduler(QLLM(max_batch_size=4, refill_be=refill), kv_capacity_tokens=10_000)
+    s.arrive(req(0, "BE", out=9), 0)
+    step(s)  # BE 0 prefilled, now a lone BE decode
+    s.arrive(req(1, "BE", out=9), 0)
+    b = s.next_batch(0)
+    if refill:  # continuous batching: the waiting BE job joins before decoding goes on
+        assert b.phase is Phase.PREFILL and ids(b) == [1]
+    else:  # the paper's step 6 read literally: BE prefill only once no BE decode is left
+        assert b.phase is Phase.DECODE and ids(b) == [0]
