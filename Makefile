@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml Makefile
 demo: venv
 	$(BIN)/python -m sim.demo
 
+# The paper's experiment and what lies beyond it -> results/paper/ (about 2 minutes on 2 cores).
+reproduce: venv
+	$(BIN)/python -m sim.reproduce
+
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900

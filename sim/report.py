@@ -1,0 +1,347 @@
+"""``qllm-report <sweep dir>``: one tidy table and the paper's figures from a sweep's runs.
+
+A run directory is one that holds ``.hydra/config.yaml`` and ``summary.json`` (written last, so
+a crashed or unfinished run has none and is left out). Writes, under ``<sweep>/report/`` (or
+``--out``):
+
+- ``table.csv``: one row per run and class (LS, BE, all): the varied settings (policy, rate,
+  seed, ...) and the summary's metrics, plus ``ttft_max_s`` from ``requests.parquet``;
+- ``fig2_ls_ttft_vs_rate.png`` (the paper's Fig. 2: LS TTFT with the SLO line, and SLO
+  attainment), ``fig3_throughput_vs_rate.png`` (Fig. 3), ``fig4_turnaround_vs_rate.png``
+  (Fig. 4: LS and BE turnaround), ``ttft_cdf.png`` (TTFT CDFs per policy at a few rates).
+
+Points are means over seeds; error bars span the lowest to the highest seed's value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+# Settings that identify a run; ``experiment`` is set by sim.reproduce, absent from sweeps.
+CONFIG_COLUMNS = ["experiment", "policy", "workload", "profile", "rate", "seed",
+                  "num_requests", "max_output_tokens", "ls_fraction", "slo_ls_ttft_s"]  # fmt: skip
+CLASSES = ("LS", "BE", "all")
+STATS = ("mean", "p50", "p90", "p99")
+POLICY_ORDER = ("fcfs", "iteration", "priority", "layer", "qllm")
+FIGURES = {
+    "ls_ttft": "fig2_ls_ttft_vs_rate.png",
+    "throughput": "fig3_throughput_vs_rate.png",
+    "turnaround": "fig4_turnaround_vs_rate.png",
+    "cdf": "ttft_cdf.png",
+}
+
+
+class ReportError(Exception):
+    """A problem with the report's input, said in one line."""
+
+
+# ------------------------------------------------------------------------------ the table
+def run_settings(cfg) -> dict:
+    """The identifying settings of a run, from its resolved config (DictConfig or dict)."""
+    if not isinstance(cfg, dict):
+        cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    w, slo = cfg.get("workload", {}), cfg.get("slo", {})
+    return {
+        "policy": cfg.get("policy", {}).get("name"),
+        "workload": w.get("name"),
+        "profile": cfg.get("profile", {}).get("name"),
+        "rate": w.get("rate"),
+        "seed": cfg.get("seed"),
+        "num_requests": w.get("num_requests"),
+        "max_output_tokens": w.get("max_output_tokens"),
+        "ls_fraction": w.get("ls_fraction"),
+        "slo_ls_ttft_s": slo.get("ls_ttft_s"),
+    }
+
+
+def summary_rows(settings: dict, summary: dict, requests: pd.DataFrame | None = None) -> list:
+    """One row per class (LS, BE, all) of one run: its settings and the summary's metrics.
+
+    ``ttft_max_s`` (the longest wait for a first token; BE starvation) needs the per-request
+    table and is NaN without it.
+    """
+    rows = []
+    for cls in CLASSES:
+        part = summary["classes"][cls]
+        row = {**settings, "cls": cls, "count": part["count"]}
+        for metric in ("ttft_s", "turnaround_s", "tbt_s"):
+            base = metric[: -len("_s")]
+            for stat in STATS:
+                row[f"{base}_{stat}_s"] = part[metric][stat]
+        row["slo_attainment"] = part["slo_attainment"]
+        if requests is not None:
+            mine = requests if cls == "all" else requests[requests["cls"] == cls]
+            ttft = mine["ttft_s"]
+            row["ttft_max_s"] = float(ttft.max()) if ttft.notna().any() else np.nan
+        else:
+            row["ttft_max_s"] = np.nan
+        row.update(
+            jobs_per_s=summary["throughput"]["jobs_per_s"],
+            tokens_per_s=summary["throughput"]["tokens_per_s"],
+            makespan_s=summary["makespan_s"],
+            arrived=summary["arrived"],
+            completed=summary["completed"],
+        )
+        rows.append(row)
+    return rows
+
+
+def find_runs(sweep_dir: Path) -> list[Path]:
+    """Finished run directories under ``sweep_dir`` (itself included), sorted."""
+    return sorted(
+        p.parent
+        for p in sweep_dir.rglob("summary.json")
+        if (p.parent / ".hydra" / "config.yaml").is_file()
+    )
+
+
+def load_sweep(sweep_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The tidy table (one row per run and class) and the per-request TTFTs of every run."""
+    import json
+
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise ReportError(f"{sweep_dir}: no such directory")
+    runs = find_runs(sweep_dir)
+    if not runs:
+        raise ReportError(
+            f"{sweep_dir}: no finished runs (a run directory holds .hydra/config.yaml and "
+            "summary.json)"
+        )
+    rows, frames = [], []
+    for run in runs:
+        try:
+            settings = run_settings(OmegaConf.load(run / ".hydra" / "config.yaml"))
+            summary = json.loads((run / "summary.json").read_text())
+        except Exception as e:  # noqa: BLE001  (any unreadable run is named, not a traceback)
+            raise ReportError(f"{run}: unreadable run ({type(e).__name__}: {e})") from None
+        settings["run_dir"] = str(run.relative_to(sweep_dir))
+        requests = None
+        if (run / "requests.parquet").is_file():
+            requests = pd.read_parquet(run / "requests.parquet", columns=["cls", "ttft_s"])
+            frames.append(requests.assign(**settings))
+        rows += summary_rows(settings, summary, requests)
+    table = tidy(pd.DataFrame(rows))
+    requests = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    return table, requests
+
+
+def tidy(table: pd.DataFrame) -> pd.DataFrame:
+    """Settings first, then metrics; rows sorted by policy (in POLICY_ORDER), rate, seed, class."""
+    setting_cols = [c for c in CONFIG_COLUMNS if c in table] + ["cls"]
+    first = setting_cols + [c for c in ("run_dir",) if c in table]
+    table = table[first + [c for c in table.columns if c not in first]]
+    order = {p: i for i, p in enumerate(POLICY_ORDER)}
+    keys = [c for c in setting_cols if c not in ("policy", "cls")]
+    return (
+        table.assign(
+            _p=table["policy"].map(lambda p: order.get(p, len(order))),
+            _c=table["cls"].map({c: i for i, c in enumerate(CLASSES)}),
+        )
+        .sort_values(["_p", "policy", *keys, "_c"], na_position="first", kind="stable")
+        .drop(columns=["_p", "_c"])
+        .reset_index(drop=True)
+    )
+
+
+def series_columns(table: pd.DataFrame) -> list[str]:
+    """The settings that tell the plotted lines apart: the policy, and any other setting
+    (but rate and seed) that takes more than one value in the table."""
+    cols = ["policy"]
+    for c in CONFIG_COLUMNS:
+        if c in ("policy", "rate", "seed") or c not in table:
+            continue
+        if table[c].astype(str).nunique() > 1:
+            cols.append(c)
+    return cols
+
+
+def over_seeds(table: pd.DataFrame, cls: str, value: str, series: list[str] | None = None):
+    """Mean, min and max of ``value`` over seeds, per series and rate, for one class."""
+    part = table[table["cls"] == cls]
+    keys = [*(series or series_columns(table)), "rate"]
+    out = (
+        part.groupby(keys, dropna=False, sort=False)[value]
+        .agg(["mean", "min", "max", "count"])
+        .reset_index()
+    )
+    return out.sort_values(keys, kind="stable")
+
+
+def _label(series: tuple, cols: list[str]) -> str:
+    """``qllm, profile=a100-mixtral-fp16``; the experiment name alone."""
+    parts = [str(v) if c in ("policy", "experiment") else f"{c}={v}"
+             for c, v in zip(cols, series, strict=True)]  # fmt: skip
+    return ", ".join(parts)
+
+
+STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--")]
+
+
+def draw_lines(ax, table: pd.DataFrame, cls: str, value: str, scale: float = 1.0,
+               series: list[str] | None = None) -> None:  # fmt: skip
+    """One line per series (by default: policy and every other setting that varies) of
+    ``value`` for class ``cls`` against the rate: means over seeds, min..max error bars.
+    Marker and line style change from series to series, so that equal lines stay visible."""
+    cols = series or series_columns(table)
+    agg = over_seeds(table, cls, value, cols)
+    for i, (key, part) in enumerate(agg.groupby(cols, dropna=False, sort=False)):
+        key = key if isinstance(key, tuple) else (key,)
+        mean = part["mean"] * scale
+        err = np.vstack([mean - part["min"] * scale, part["max"] * scale - mean])
+        marker, line = STYLES[i % len(STYLES)]
+        ax.errorbar(part["rate"], mean, yerr=err if part["count"].max() > 1 else None,
+                    marker=marker, ls=line, ms=4 + (i % 3), capsize=3,
+                    label=_label(key, cols))  # fmt: skip
+
+
+def finish(fig, axes: Iterable, path: Path) -> Path:
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("arrival rate (req/s)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- the figures
+def plot_ls_ttft(table: pd.DataFrame, slo_s: float, path: Path, title: str = "") -> Path:
+    """The paper's Fig. 2: mean LS TTFT per rate against the SLO line, and SLO attainment."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    draw_lines(ax1, table, "LS", "ttft_mean_s")
+    ax1.axhline(slo_s, color="k", ls="--", lw=1, label=f"SLO {slo_s:g} s")
+    ax1.set(yscale="log", ylabel="LS mean TTFT (s)", title=f"LS time to first token {title}")
+    draw_lines(ax2, table, "LS", "slo_attainment", scale=100)
+    ax2.set(ylabel="LS requests with TTFT <= SLO (%)", ylim=(-3, 103),
+            title=f"LS SLO attainment (TTFT <= {slo_s:g} s)")  # fmt: skip
+    return finish(fig, (ax1, ax2), path)
+
+
+def plot_throughput(table: pd.DataFrame, path: Path, title: str = "") -> Path:
+    """The paper's Fig. 3: completed jobs per second (and output tokens per second)."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    draw_lines(ax1, table, "all", "jobs_per_s")
+    ax1.set(ylabel="throughput (jobs/s)", title=f"Throughput {title}")
+    draw_lines(ax2, table, "all", "tokens_per_s")
+    ax2.set(ylabel="throughput (output tokens/s)", title=f"Token throughput {title}")
+    return finish(fig, (ax1, ax2), path)
+
+
+def plot_turnaround(table: pd.DataFrame, path: Path, title: str = "") -> Path:
+    """The paper's Fig. 4: mean LS and BE turnaround (arrival to last token)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, cls in zip(axes, ("LS", "BE"), strict=True):
+        draw_lines(ax, table, cls, "turnaround_mean_s")
+        ax.set(yscale="log", ylabel=f"{cls} mean turnaround (s)", title=f"{cls} turnaround {title}")
+    return finish(fig, axes, path)
+
+
+def pick_rates(rates: Iterable[float], n: int = 4) -> list[float]:
+    """Up to ``n`` rates spread evenly over the sorted distinct rates, ends included."""
+    rates = sorted(set(rates))
+    if len(rates) <= n:
+        return rates
+    return [rates[i] for i in np.unique(np.linspace(0, len(rates) - 1, n).round().astype(int))]
+
+
+def plot_ttft_cdf(requests: pd.DataFrame, slo_s: float, path: Path, title: str = "") -> Path:
+    """TTFT CDFs per policy (LS solid, BE dashed), all seeds pooled, one panel per rate."""
+    rates = pick_rates(requests["rate"])
+    fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.8), squeeze=False)
+    cols = series_columns(requests.assign(cls="all"))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, rate in zip(axes[0], rates, strict=True):
+        at = requests[requests["rate"] == rate]
+        for i, (series, part) in enumerate(at.groupby(cols, dropna=False, sort=False)):
+            series = series if isinstance(series, tuple) else (series,)
+            for cls, ls in (("LS", "-"), ("BE", "--")):
+                ttft = np.sort(part.loc[part["cls"] == cls, "ttft_s"].dropna().to_numpy())
+                if len(ttft):
+                    ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post",
+                            color=colours[i % len(colours)], ls=ls,
+                            label=f"{_label(series, cols)} {cls}")  # fmt: skip
+        ax.axvline(slo_s, color="k", ls=":", lw=1)
+        ax.set(xscale="log", xlabel="TTFT (s)", ylabel="fraction of requests", ylim=(0, 1.02),
+               title=f"rate {rate:g} req/s {title}")  # fmt: skip
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_figures(
+    table: pd.DataFrame, requests: pd.DataFrame, out_dir: Path, slo_s: float, title: str = ""
+) -> list[Path]:
+    paths = [
+        plot_ls_ttft(table, slo_s, out_dir / FIGURES["ls_ttft"], title),
+        plot_throughput(table, out_dir / FIGURES["throughput"], title),
+        plot_turnaround(table, out_dir / FIGURES["turnaround"], title),
+    ]
+    if len(requests):
+        paths.append(plot_ttft_cdf(requests, slo_s, out_dir / FIGURES["cdf"], title))
+    return paths
+
+
+def slo_of(table: pd.DataFrame, default: float = 3.0) -> float:
+    """The LS TTFT SLO the runs used (the first one, if they differ)."""
+    values = table["slo_ls_ttft_s"].dropna() if "slo_ls_ttft_s" in table else []
+    return float(values.iloc[0]) if len(values) else default
+
+
+def terminal_table(table: pd.DataFrame) -> str:
+    """A short table: mean LS TTFT, LS SLO attainment, BE turnaround and jobs/s per series
+    and rate (means over seeds)."""
+    cols = series_columns(table)
+    parts = []
+    for cls, value, name in (("LS", "ttft_mean_s", "ls_ttft_s"), ("LS", "slo_attainment",
+                             "ls_slo"), ("BE", "turnaround_mean_s", "be_turnaround_s"),
+                             ("all", "jobs_per_s", "jobs_per_s")):  # fmt: skip
+        agg = over_seeds(table, cls, value).set_index([*cols, "rate"])["mean"].rename(name)
+        parts.append(agg)
+    wide = pd.concat(parts, axis=1).reset_index()
+    return wide.to_string(index=False, float_format=lambda x: f"{x:.3f}")
+
+
+def cli(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="qllm-report", description="Tidy table and figures from a qllm-sim sweep."
+    )
+    ap.add_argument("sweep_dir", type=Path, help="a multirun directory (or any directory "
+                    "above finished run directories)")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=None, help="where to write (default: "
+                    "<sweep_dir>/report)")  # fmt: skip
+    args = ap.parse_args(argv)
+    try:
+        table, requests = load_sweep(args.sweep_dir)
+    except ReportError as e:
+        print(f"qllm-report: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    out = args.out or args.sweep_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "table.csv", index=False)
+    paths = write_figures(table, requests, out, slo_of(table))
+    print(terminal_table(table))
+    runs = table["run_dir"].nunique()
+    print(f"\n{runs} runs -> {out / 'table.csv'}, " + ", ".join(p.name for p in paths))
+
+
+if __name__ == "__main__":
+    cli()
