@@ -1,0 +1,3 @@
+from profiler.app import cli
+
+cli()

@@ -1,0 +1,366 @@
+"""Time the runner's stages inside real iterations and write a profile table.
+
+The profiler runs whole iterations with the ``ModelRunner``, stage by stage as the real engine
+does, and times every stage where it runs. Ops timed in isolation were up to 2x off on a
+CPU: an expert whose weights are still in the caches from the previous call runs much faster
+than inside an iteration, where the rest of the model streamed through the caches since.
+
+- prefill iterations of one sequence of n tokens (``grid.prefill_tokens``) give
+  ``attn_prefill(n)`` and ``router(n)``;
+- decode iterations of B sequences with kv cached tokens each (``grid.decode_batch`` x
+  ``grid.decode_kv``, distinct random prompts) give ``attn_decode(B, kv)``, ``router(B)``,
+  ``lm_head(B)`` and ``step_overhead(B)``: the iteration's time minus its attention, router,
+  expert and lm_head stages (that is the prepare stage, the stages of experts that received no
+  token, and the dispatch between stages);
+- every expert stage of both gives a sample of ``expert(n)``, n its queue size; samples are
+  pooled in bins around ``grid.expert_tokens`` (a point per bin: median n, median time).
+
+Each iteration runs ``warmup`` + ``repeats`` times (the sequences rewound in between);
+attention and router samples pool all layers. Times: a CPU clock, or CUDA events recorded at
+every stage boundary (no extra synchronisation inside the iteration).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from policies.core import Stage
+from profiler.models import ModelInfo, available_bytes, build_model
+from profiler.ops import KVSequence, ModelRunner, StageRef
+from profiler.schema import Memory, OpPoint, Profile
+
+GRID_KEYS = ("prefill_tokens", "decode_batch", "decode_kv", "expert_tokens")
+# CPU clocks: wall time, or this process's CPU time (steady on a shared machine; it equals the
+# wall time of an uncontended run only with one torch thread).
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+# Share of free device memory the KV cache may take (the rest: activations, allocator slack).
+KV_MEMORY_SHARE = 0.9
+
+
+class SettingsError(ValueError):
+    """A profiler setting is out of range."""
+
+
+@dataclass
+class Settings:
+    prefill_tokens: list[int]
+    decode_batch: list[int]
+    decode_kv: list[int]
+    expert_tokens: list[int]
+    warmup: int = 2
+    repeats: int = 10
+    clock: str = "wall"
+    routing_prompts: int = 8
+    routing_prompt_tokens: int = 64
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Settings:
+        grid, routing = cfg["grid"], cfg["routing"]
+        out = cls(
+            **{k: sorted({int(x) for x in grid[k]}) for k in GRID_KEYS},
+            warmup=int(cfg["warmup"]),
+            repeats=int(cfg["repeats"]),
+            clock=str(cfg["clock"]),
+            routing_prompts=int(routing["prompts"]),
+            routing_prompt_tokens=int(routing["prompt_tokens"]),
+            seed=int(cfg["seed"]),
+        )
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        for key in GRID_KEYS:
+            values = getattr(self, key)
+            if not values or min(values) < 1:
+                raise SettingsError(f"grid.{key} must be a non-empty list of integers >= 1")
+        if self.repeats < 1 or self.warmup < 0:
+            raise SettingsError("repeats must be >= 1 and warmup >= 0")
+        if self.clock not in CLOCKS:
+            raise SettingsError(f"clock={self.clock}: expected one of {', '.join(CLOCKS)}")
+        if self.routing_prompts < 1 or self.routing_prompt_tokens < 1:
+            raise SettingsError("routing.prompts and routing.prompt_tokens must be >= 1")
+
+    @property
+    def num_iterations(self) -> int:
+        """Iteration shapes profiled (the progress bar's length)."""
+        return len(self.prefill_tokens) + len(self.decode_batch) * len(self.decode_kv)
+
+
+@dataclass
+class StageTime:
+    ref: StageRef
+    tokens: int  # the expert's queue size (expert stages only)
+    ms: float
+
+
+class StageClock:
+    """Times every stage of an iteration where it runs: a CPU clock read at each boundary, or
+    CUDA events recorded at each boundary and read once the iteration is over."""
+
+    def __init__(self, device: torch.device, clock: str = "wall") -> None:
+        self.cuda = device.type == "cuda"
+        self.clock = CLOCKS[clock]
+
+    def iteration(self, runner: ModelRunner, seqs: list[KVSequence]) -> tuple[float, list]:
+        """(total ms, [StageTime]) of one whole iteration of ``seqs``."""
+        state = runner.begin(seqs)
+        refs, tokens, marks = [], [], [self._mark()]
+        while not state.done:
+            ref = runner.next_stage(state)
+            tokens.append(state.queue_size(ref.expert) if ref.stage == "expert" else 0)
+            runner.step(state)
+            marks.append(self._mark())
+            refs.append(ref)
+        ms = self._elapsed(marks)
+        return sum(ms), [StageTime(r, n, t) for r, n, t in zip(refs, tokens, ms, strict=True)]
+
+    def _mark(self):
+        if not self.cuda:
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _elapsed(self, marks: list) -> list[float]:
+        if not self.cuda:
+            return [(b - a) * 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+        marks[-1].synchronize()
+        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]
+
+
+def summarize(times_ms: list[float]) -> tuple[float, float]:
+    return float(np.median(times_ms)), float(np.percentile(times_ms, 90))
+
+
+class Profiler:
+    """Runs the iterations of the grid with the runner and collects stage times per op."""
+
+    def __init__(self, runner: ModelRunner, settings: Settings, device: torch.device) -> None:
+        self.runner = runner
+        self.settings = settings
+        self.clock = StageClock(device, settings.clock)
+        self.gen = torch.Generator().manual_seed(settings.seed)
+        # (op, batch_size, num_tokens, kv_tokens) -> stage times (ms)
+        self.samples: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
+        self.expert_samples: list[tuple[int, float]] = []
+
+    def random_ids(self, n: int) -> list[int]:
+        vocab = self.runner.config.vocab_size
+        return torch.randint(0, vocab, (n,), generator=self.gen).tolist()
+
+    def prompts(self, lengths: list[int]) -> list[KVSequence]:
+        return [self.runner.new_sequence(self.random_ids(n)) for n in lengths]
+
+    def repeat(self, seqs: list[KVSequence]) -> list[tuple[float, list[StageTime]]]:
+        """``repeats`` timed runs of one iteration of ``seqs`` (after ``warmup`` untimed),
+        rewinding the sequences after each."""
+        marks = [(len(s.token_ids), s.num_cached) for s in seqs]
+        runs = []
+        for i in range(self.settings.warmup + self.settings.repeats):
+            run = self.clock.iteration(self.runner, seqs)
+            if i >= self.settings.warmup:
+                runs.append(run)
+            for s, (n, c) in zip(seqs, marks, strict=True):
+                s.truncate(n, c)
+        return runs
+
+    def record(self, runs: list, num_tokens: int, batch: int = 0, kv: int = 0) -> None:
+        """File a shape's stage times under their ops: a prefill of ``num_tokens`` (batch 0),
+        or a decode ``batch`` with ``kv`` cached tokens each (which also gives lm_head and
+        step_overhead)."""
+        attention = ("attn_decode", batch, 0, kv) if batch else ("attn_prefill", 0, num_tokens, 0)
+        for total, stages in runs:
+            timed = 0.0
+            for st in stages:
+                stage = st.ref.stage
+                if stage == "attention":
+                    self.samples[attention].append(st.ms)
+                elif stage == "router":
+                    self.samples[("router", 0, num_tokens, 0)].append(st.ms)
+                elif stage == "expert" and st.tokens:
+                    self.expert_samples.append((st.tokens, st.ms))
+                elif stage == "lm_head":
+                    if batch:
+                        self.samples[("lm_head", batch, 0, 0)].append(st.ms)
+                else:
+                    continue  # prepare and empty experts: part of the overhead
+                timed += st.ms
+            if batch:
+                self.samples[("step_overhead", batch, 0, 0)].append(total - timed)
+
+    def prefill(self, n: int) -> None:
+        self.record(self.repeat(self.prompts([n])), num_tokens=n)
+
+    def decode(self, batch: int, kv: int) -> None:
+        seqs = self.prompts([kv] * batch)
+        self.runner.run(self.runner.begin(seqs))  # the prefill: kv cached, one token to feed
+        self.record(self.repeat(seqs), num_tokens=batch, batch=batch, kv=kv)
+
+    def points(self, progress: bool = True) -> list[OpPoint]:
+        s = self.settings
+        bar = tqdm(total=s.num_iterations, desc="profiling", unit="shape", disable=not progress)
+        for n in s.prefill_tokens:
+            self.prefill(n)
+            bar.update()
+        for kv in s.decode_kv:
+            for b in s.decode_batch:
+                self.decode(b, kv)
+                bar.update()
+        bar.close()
+        return self.table()
+
+    def table(self) -> list[OpPoint]:
+        pts = []
+        for (op, batch, tokens, kv), times in sorted(self.samples.items()):
+            med, p90 = summarize(times)
+            pts.append(OpPoint(op, batch, tokens, kv, median_ms=med, p90_ms=p90))
+        return pts + self.expert_points()
+
+    def expert_points(self) -> list[OpPoint]:
+        """One point per ``grid.expert_tokens`` bin (bins split halfway, on a log scale,
+        between grid values): the median queue size and the median time of its samples."""
+        grid = self.settings.expert_tokens
+        edges = [math.sqrt(a * b) for a, b in zip(grid, grid[1:], strict=False)]
+        bins: dict[int, list[tuple[int, float]]] = defaultdict(list)
+        for n, ms in self.expert_samples:
+            bins[int(np.searchsorted(edges, n))].append((n, ms))
+        pts = []
+        for i in sorted(bins):
+            ns, ms = zip(*bins[i], strict=True)
+            med, p90 = summarize(list(ms))
+            pts.append(OpPoint("expert", num_tokens=round(float(np.median(ns))), median_ms=med,
+                               p90_ms=p90))  # fmt: skip
+        return pts
+
+    def expert_load(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Fraction of each layer's token-to-expert assignments per expert, from real
+        prefills of ``prompts`` (a dense layer, which routes nothing, gets a uniform row)."""
+        r = self.runner
+        counts = np.zeros((r.num_layers, r.num_experts))
+        for p in prompts:
+            state = r.begin([r.new_sequence(p)])
+            while not state.done:
+                ref = r.step(state)
+                if ref.stage == "router" and state.routing is not None:
+                    counts[ref.layer] += state.routing.counts
+        counts[counts.sum(axis=1) == 0] = 1.0
+        return (counts / counts.sum(axis=1, keepdims=True)).tolist()
+
+    def memory(self) -> Memory:
+        """KV bytes per token and activation bytes a suspended iteration holds per token,
+        measured on a real prefill; KV capacity from the device's free memory."""
+        n = 64
+        seq = self.prompts([n])[0]
+        after_router = self.runner.flat_index(min(self.runner.moe_layers), Stage.ROUTER) + 1
+        state = self.runner.run(self.runner.begin([seq]), until=after_router)
+        held = state.held_bytes()
+        self.runner.run(state)
+        kv_per_token = max(1, seq.kv_bytes() // n)
+        capacity = int(available_bytes(self.runner.device) * KV_MEMORY_SHARE) // kv_per_token
+        return Memory(max(1, capacity), kv_per_token, max(1, held // n))
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def profile_model(
+    model: torch.nn.Module,
+    info: ModelInfo,
+    settings: Settings,
+    name: str,
+    prompts: list[list[int]] | None = None,
+    progress: bool = True,
+) -> Profile:
+    """Profile an already built model. ``prompts`` feed the routing statistics (default:
+    ``routing_prompts`` random prompts)."""
+    runner = ModelRunner(model)
+    prof = Profiler(runner, settings, info.device)
+    points = prof.points(progress)
+    if prompts is None:
+        prompts = [prof.random_ids(settings.routing_prompt_tokens)
+                   for _ in range(settings.routing_prompts)]  # fmt: skip
+    device = device_name(info.device)
+    timing = "CUDA events" if info.device.type == "cuda" else f"{settings.clock} clock"
+    return Profile(
+        name=name,
+        source="measured",
+        description=f"{info.name} ({info.num_params / 1e6:.1f}M parameters, {info.source}) "
+        f"on {device}, stages timed inside real iterations of the stepped runner",
+        calibration=f"profiler.measure: median of {settings.repeats} iterations per shape "
+        f"after {settings.warmup} warm-up, {timing}",
+        device=device,
+        dtype=str(info.dtype).removeprefix("torch."),
+        model=info.shape,
+        memory=prof.memory(),
+        points=points,
+        expert_load=prof.expert_load(prompts),
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        created=datetime.date.today().isoformat(),
+        extra={
+            "settings": asdict(settings),
+            "threads": torch.get_num_threads(),
+            "device_type": info.device.type,
+            "model_source": info.source,
+        },
+    )
+
+
+def run(cfg: Any, progress: bool = True) -> tuple[Profile, Path]:
+    """Build the configured model, profile it and save the profile (the ``qllm-profile`` app;
+    ``cfg`` is conf/profiler.yaml composed). Returns the profile and its directory."""
+    settings = Settings.from_config(cfg)
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg["threads"]))
+    model_cfg = cfg["model"]
+    if isinstance(model_cfg, DictConfig):  # config overrides reach transformers as plain values
+        model_cfg = OmegaConf.to_container(model_cfg, resolve=True)
+    model, info = build_model(model_cfg, device=cfg["device"], dtype=cfg["dtype"],
+                              seed=settings.seed)  # fmt: skip
+    out = cfg["output"]
+    name = out.get("name") or f"{info.name}-{info.device.type}"
+    prompts = texts_to_prompts(model_cfg, cfg["routing"].get("text_file"))
+    profile = profile_model(model, info, settings, name, prompts, progress)
+    return profile, profile.save(Path(out["dir"]) / name)
+
+
+def texts_to_prompts(model_cfg: Any, text_file: str | None) -> list[list[int]] | None:
+    """Routing prompts from a text file (one prompt per non-empty line), tokenized by the
+    checkpoint's own tokenizer; None (random ids) without a file."""
+    if not text_file:
+        return None
+    from transformers import AutoTokenizer
+
+    path = model_cfg.get("path")
+    if not path:
+        raise SettingsError("routing.text_file needs model.path (a checkpoint with a tokenizer)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        lines = [ln for ln in Path(text_file).read_text().splitlines() if ln.strip()]
+    except OSError as e:
+        raise SettingsError(f"routing.text_file={text_file}: {str(e).splitlines()[0]}") from None
+    if not lines:
+        raise SettingsError(f"routing.text_file={text_file} has no text")
+    return [tokenizer(ln)["input_ids"] for ln in lines]

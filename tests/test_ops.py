@@ -1,0 +1,95 @@
+"""The stepped runner: token-exact against ``model.generate``, with sequences joining and
+leaving batches, per-sequence KV of different lengths, and a batch suspended mid-layer while
+another batch runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from policies.core import Stage
+from profiler.models import build_model
+from profiler.ops import ModelRunner, RunnerError
+from sim.latency import Plan
+
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module", params=["tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3"])
+def f64(request):
+    """A model in float64 (argmax ties cannot differ by rounding) with larger random weights,
+    so the greedy tokens depend on the whole context rather than repeat one token."""
+    model, info = build_model({"name": request.param, "config": {"initializer_range": 0.2}},
+                              dtype="float64", seed=3)  # fmt: skip
+    return model, ModelRunner(model)
+
+
+def reference(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_greedy_tokens_equal_generate_across_joins_and_a_suspension(f64):
+    model, runner = f64
+    a, b, c, d = (runner.new_sequence(p) for p in prompts(5, 11, 3, 8))
+    runner.run(runner.begin([a, b]))  # a two-sequence prefill of different lengths
+    runner.run(runner.begin([a, b]))
+    runner.run(runner.begin([c]))  # c joins: decode KV lengths now differ
+    # A decode batch stops after expert 3 of a middle layer, keeping its state ...
+    middle = runner.num_layers // 2
+    suspended = runner.begin([a, b, c])
+    runner.run(suspended, until=runner.flat_index(middle, Stage.EXPERT, 3) + 1)
+    assert suspended.held_bytes() > 0 and not suspended.done
+    # ... while another batch runs a whole iteration (d's prefill) ...
+    runner.run(runner.begin([d]))
+    # ... then resumes exactly where it stopped.
+    assert runner.next_stage(suspended).expert == 4
+    runner.run(suspended)
+    while min(len(s.generated) for s in (a, b, c, d)) < NEW_TOKENS:
+        unfinished = [s for s in (a, b, c, d) if len(s.generated) < NEW_TOKENS]
+        runner.run(runner.begin(unfinished))  # finished sequences leave the batch
+    for s in (a, b, c, d):
+        assert s.generated == reference(model, s.token_ids[: s.num_prompt])
+
+
+def test_step_by_step_equals_run_and_truncate_rewinds(f64):
+    model, runner = f64
+    (p,) = prompts(7, seed=1)
+    stepped = runner.new_sequence(p)
+    state = runner.begin([stepped])
+    refs = []
+    while not state.done:
+        refs.append(runner.step(state))
+    assert [r.index for r in refs] == list(range(runner.num_stages))
+    first = stepped.generated[0]
+    assert first == runner.generate([p], 1)[0][0]
+    stepped.truncate(len(p), 0)  # rewind the prefill: the same token again
+    runner.run(runner.begin([stepped]))
+    assert stepped.generated == [first]
+
+
+def test_stage_layout_matches_the_latency_plan():
+    model, _ = build_model("tiny-mixtral")
+    runner = ModelRunner(model)
+    plan = Plan(0.0, 0.0, 0.0, np.zeros((runner.num_layers, runner.num_experts)), 0.0,
+                np.zeros((runner.num_layers, runner.num_experts), dtype=int))  # fmt: skip
+    assert runner.num_stages == plan.num_stages
+    refs = runner.stage_list()
+    assert (refs[0].stage, refs[-1].stage) == ("prepare", "lm_head")
+    stage = {"attention": Stage.ATTENTION, "router": Stage.ROUTER, "expert": Stage.EXPERT}
+    for ref in refs[1:-1]:
+        expected = (ref.layer, int(stage[ref.stage]), max(ref.expert, 0))
+        assert plan.locate(ref.index) == expected
+        assert runner.flat_index(ref.layer, stage[ref.stage], max(ref.expert, 0)) == ref.index
+
+
+def test_runner_rejects_an_empty_batch():
+    model, _ = build_model("tiny-olmoe")
+    with pytest.raises(RunnerError):
+        ModelRunner(model).begin([])
