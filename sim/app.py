@@ -53,7 +53,7 @@ def main(cfg: DictConfig) -> float | None:
     if cfg.resume and finished.is_file():
         # a rerun of an interrupted sweep: this job finished before (summary.json is written
         # last and atomically), so keep its results
-        print(f"skipping finished run {run_dir}")
+        print(f"skipping finished run {run_dir}", flush=True)
         return json.loads(finished.read_text())["classes"]["LS"]["ttft_s"]["mean"]
     try:
         out = simulate(cfg)
@@ -65,7 +65,8 @@ def main(cfg: DictConfig) -> float | None:
     print(
         f"policy={cfg.policy.name} rate={cfg.workload.rate} "
         f"ls_ttft_mean_s={_fmt(ls['ttft_s']['mean'])} be_ttft_mean_s={_fmt(be['ttft_s']['mean'])} "
-        f"ls_slo={_fmt(ls['slo_attainment'])} jobs_per_s={jobs_per_s:.3f} -> {run_dir}"
+        f"ls_slo={_fmt(ls['slo_attainment'])} jobs_per_s={jobs_per_s:.3f} -> {run_dir}",
+        flush=True,  # joblib workers share the terminal: print each line whole, now
     )
     return ls["ttft_s"]["mean"]
 
