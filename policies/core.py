@@ -123,7 +123,6 @@ class Batch:
     id: int = field(default_factory=lambda: next(_batch_ids))
     cursor: int = 0
     plan: Any = None
-    suspended_since_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.sequences:
@@ -143,10 +142,6 @@ class Batch:
     @property
     def has_ls(self) -> bool:
         return any(s.is_ls for s in self.sequences)
-
-    @property
-    def started(self) -> bool:
-        return self.cursor > 0 or self.plan is not None
 
     def __repr__(self) -> str:
         ids = ",".join(str(s.id) for s in self.sequences[:6])

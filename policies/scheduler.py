@@ -114,7 +114,6 @@ class Scheduler:
         if batch in self.suspended:
             self.suspended.remove(batch)
             self._release(self._held.pop(batch.id))
-            batch.suspended_since_s = None
         for seq in batch.sequences:
             if seq.scheduled_s is None:
                 seq.scheduled_s = now
@@ -129,7 +128,6 @@ class Scheduler:
         held = self.activation_tokens(batch)
         self._reserve(held)
         self._held[batch.id] = held
-        batch.suspended_since_s = now
         for seq in batch.sequences:
             seq.preemptions += 1
         self.suspended.append(batch)
