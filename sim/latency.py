@@ -33,7 +33,10 @@ class Curve1D:
         self.ys = [table[k] for k in self.xs]
         self.x, self.y = np.array(self.xs, dtype=float), np.array(self.ys, dtype=float)
         n = len(self.xs)
-        self.slope = (self.ys[-1] - self.ys[-2]) / (self.xs[-1] - self.xs[-2]) if n > 1 else 0.0
+        # Extrapolate with the last segment's slope, but never downwards: a noisy last point
+        # must not make large inputs cheap (or negative).
+        slope = (self.ys[-1] - self.ys[-2]) / (self.xs[-1] - self.xs[-2]) if n > 1 else 0.0
+        self.slope = max(slope, 0.0)
         self._cache: dict[float, float] = {}
 
     def __call__(self, x) -> np.ndarray:
@@ -63,7 +66,8 @@ class Curve1D:
 
 class Curve2D:
     """Bilinear interpolation on a (batch_size, kv_tokens) grid: interpolate along kv for each
-    measured batch size, then along batch size (extrapolating linearly beyond both ends)."""
+    measured batch size, then along batch size (clamped below the grid, extrapolated linearly
+    and never downwards above it)."""
 
     def __init__(self, points: list[OpPoint]) -> None:
         by_batch: dict[int, list[OpPoint]] = {}
@@ -79,8 +83,10 @@ class Curve2D:
         xs = self.batches
         i = min(max(bisect.bisect_right(xs, batch_size) - 1, 0), len(xs) - 2)
         x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-        if batch_size < x0:
+        if batch_size <= x0:
             return y0
+        if batch_size >= x1:  # beyond the grid: as Curve1D, never extrapolate downwards
+            return y1 + max(y1 - y0, 0.0) * (batch_size - x1) / (x1 - x0)
         return y0 + (y1 - y0) * (batch_size - x0) / (x1 - x0)
 
 

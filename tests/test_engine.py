@@ -215,3 +215,25 @@ def test_request_larger_than_kv_cache_is_rejected_with_its_id():
 
     with pytest.raises(CapacityError, match="request 0"):
         run([Request(0, "BE", 0.0, 900, 200)], QLLM(), linear_profile(), capacity=1000)
+
+
+def test_latency_curves_never_extrapolate_downwards():
+    from profiler.schema import OpPoint
+    from sim.latency import Curve1D, Curve2D
+
+    noisy = [
+        OpPoint("expert", num_tokens=n, median_ms=t) for n, t in ((1, 1.0), (4, 8.0), (16, 2.0))
+    ]
+    curve = Curve1D(noisy, "num_tokens")
+    assert curve.scalar(64) == pytest.approx(2e-3)  # flat beyond a falling last segment
+    assert curve.scalar(2) == pytest.approx(1e-3 + 7e-3 / 3)
+    grid = [
+        OpPoint("attn_decode", batch_size=b, kv_tokens=8, median_ms=t)
+        for b, t in ((1, 8.0), (3, 0.3))
+    ]
+    assert Curve2D(grid)(32, 8) == pytest.approx(0.3e-3)
+    rising = [
+        OpPoint("attn_decode", batch_size=b, kv_tokens=8, median_ms=t)
+        for b, t in ((1, 1.0), (3, 2.0))
+    ]
+    assert Curve2D(rising)(5, 8) == pytest.approx(3e-3)

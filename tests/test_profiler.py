@@ -3,6 +3,7 @@ profile, user errors are one line, the full Mixtral shape is refused without the
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -58,8 +59,13 @@ def test_console_script_writes_a_loadable_profile(tmp_path):
     script = Path(sys.executable).parent / "qllm-profile"
     if not script.exists():
         pytest.skip("qllm-profile is not installed in this venv: run `make venv`")
+    # warm-up and repeats here: the profile must be sane enough to drive the simulator
+    grid = [o for o in SMALL if not o.startswith(("warmup=", "repeats="))] + [
+        "warmup=2",
+        "repeats=3",
+    ]
     done = subprocess.run(
-        [str(script), *SMALL, f"output.dir={tmp_path}", "output.name=cli", "device=cpu"],
+        [str(script), *grid, f"output.dir={tmp_path}", "output.name=cli", "device=cpu"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -68,6 +74,19 @@ def test_console_script_writes_a_loadable_profile(tmp_path):
     assert "profile cli:" in done.stdout
     profile = Profile.load(tmp_path / "cli")
     assert profile.source == "measured" and profile.model.name == "tiny-mixtral"
+    # the measured profile drives the simulator
+    run_dir = tmp_path / "sim"
+    sim = subprocess.run(
+        [sys.executable, "-m", "sim", f"profile.path={tmp_path / 'cli'}", "workload=synthetic",
+         "workload.num_requests=20", "workload.rate=50", "policy=qllm",
+         f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert sim.returncode == 0, sim.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["completed"] == 20
+    # tiny-mixtral iterations take milliseconds, not the A100 profile's hundreds
+    assert summary["makespan_s"] < 20
 
 
 def user_error(capsys, monkeypatch, *argv: str) -> str:
