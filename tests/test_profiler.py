@@ -62,7 +62,7 @@ def test_console_script_writes_a_loadable_profile(tmp_path):
     # warm-up and repeats here: the profile must be sane enough to drive the simulator
     grid = [o for o in SMALL if not o.startswith(("warmup=", "repeats="))] + [
         "warmup=2",
-        "repeats=3",
+        "repeats=5",
     ]
     done = subprocess.run(
         [str(script), *grid, f"output.dir={tmp_path}", "output.name=cli", "device=cpu"],
