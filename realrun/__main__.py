@@ -1,0 +1,3 @@
+from realrun.app import cli
+
+cli()

@@ -1,0 +1,62 @@
+"""``qllm-realrun``: the real engine's Hydra app (also ``python -m realrun``).
+
+Examples::
+
+    qllm-realrun policy=qllm workload.rate=10
+    qllm-realrun -m policy=iteration,qllm seed=0,1
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from realrun.config import RealrunConfig, validate_realrun
+from sim.app import CONF_DIR, check_group_choices, fail
+from sim.config import UserError
+from sim.metrics import write_outputs
+
+PROG = "qllm-realrun"
+GROUPS = ("workload", "policy", "slo", "model")
+
+ConfigStore.instance().store(name="realrun_schema", node=RealrunConfig)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="realrun", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        validate_realrun(cfg)  # before torch loads: a bad value fails at once
+        from realrun.run import realrun
+
+        out = realrun(cfg)
+    except UserError as e:
+        fail(PROG, str(e))
+    if out.trace is not None:
+        out.trace.write(run_dir / "trace.json")
+    write_outputs(run_dir, out.requests, out.summary)  # summary.json last: the run is complete
+    s, r = out.summary, out.result
+    ls, be = s["classes"]["LS"], s["classes"]["BE"]
+    print(
+        f"policy={cfg.policy.name} rate={cfg.workload.rate} "
+        f"ls_ttft_mean_s={_fmt(ls['ttft_s']['mean'])} be_ttft_mean_s={_fmt(be['ttft_s']['mean'])} "
+        f"jobs_per_s={s['throughput']['jobs_per_s']:.3f} iterations={r.iterations} "
+        f"preemptions={r.preemptions} -> {run_dir}"
+    )
+    return ls["ttft_s"]["mean"]
+
+
+def _fmt(x) -> str:
+    return "nan" if x is None else f"{x:.4f}"
+
+
+def cli() -> None:
+    problem = check_group_choices(sys.argv[1:], groups=GROUPS)
+    if problem:
+        fail(PROG, problem)
+    main()

@@ -1,0 +1,100 @@
+"""Structured configs of ``qllm-realrun`` and ``qllm-validate``, and their range checks.
+
+The workload, policy and slo groups are the simulator's own (``sim.config``), so a run of the
+real engine and a simulation read the very same settings.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from omegaconf import MISSING
+
+from sim.config import ProfileConfig, SloConfig, UserError, WorkloadConfig
+from sim.config import validate as validate_sim
+
+
+class ClockKind(enum.Enum):
+    wall = "wall"  # arrivals replayed in real time
+    virtual = "virtual"  # each stage costs virtual_stage_ms, idle time is skipped (tests)
+
+
+class TraceLevel(enum.Enum):
+    stages = "stages"  # every stage that did work, plus batches and requests
+    batches = "batches"  # batches and requests only
+    off = "off"
+
+
+@dataclass
+class ModelConfig:
+    """The ``model`` group (conf/model), as ``profiler.models.build_model`` reads it."""
+
+    name: str = "tiny-mixtral"
+    path: str | None = None  # a local checkpoint directory (its tokenizer is used if it has one)
+    config: dict[str, Any] = field(default_factory=dict)  # preset config overrides
+
+
+@dataclass
+class EngineConfig:
+    """What the real engine needs beyond the shared groups."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    device: str = "auto"  # auto (cuda when present) | cpu | cuda
+    dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | float32 | float64 | ...
+    threads: int | None = 1  # torch CPU threads; null: torch's default
+    max_prompt_tokens: int = 512  # prompts are cut to this many tokens
+    seed: int = 0
+    warmup: bool = True  # run a few iterations before the clock starts
+
+
+@dataclass
+class RealrunConfig(EngineConfig):
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    policy: Any = MISSING
+    slo: SloConfig = field(default_factory=SloConfig)
+    kv_capacity_tokens: int | None = None  # null: measured KV bytes per token vs free memory
+    clock: ClockKind = ClockKind.wall
+    virtual_stage_ms: float = 1.0
+    trace: TraceLevel = TraceLevel.stages
+    progress: bool = True
+
+
+@dataclass
+class ValidateConfig(EngineConfig):
+    name: str | None = None  # results/validation/<name>/; null: <model>-<device type>
+    out_dir: str = "results/validation"
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
+    policies: list[str] = field(default_factory=lambda: ["fcfs", "iteration", "qllm"])
+    # Offered load as the utilization of a server that runs one request at a time: rate =
+    # utilization / (profiled time to serve the mean request alone).
+    utilizations: list[float] = field(default_factory=lambda: [0.2, 1.0])
+    profile: dict[str, Any] = field(default_factory=dict)  # path, or the profiler's settings
+    progress: bool = True
+
+
+def validate_engine(cfg: Any) -> None:
+    def need(ok: bool, key: str, allowed: str) -> None:
+        if not ok:
+            raise UserError(f"{key}={cfg[key]}: {allowed}")
+
+    need(cfg.max_prompt_tokens >= 1, "max_prompt_tokens", "must be >= 1")
+    need(cfg.threads is None or cfg.threads >= 1, "threads", "must be >= 1 or null")
+
+
+def validate_shared(cfg: Any, policy: Any) -> None:
+    """The simulator's own checks of the workload, policy and slo groups."""
+    validate_sim(SimpleNamespace(workload=cfg.workload, profile=ProfileConfig(), policy=policy,
+                                 slo=cfg.slo, boundary_mode="lookup"))  # fmt: skip
+
+
+def validate_realrun(cfg: Any) -> None:
+    validate_engine(cfg)
+    validate_shared(cfg, cfg.policy)
+    if cfg.kv_capacity_tokens is not None and cfg.kv_capacity_tokens < 1:
+        raise UserError(f"kv_capacity_tokens={cfg.kv_capacity_tokens}: must be >= 1 or null")
+    if cfg.virtual_stage_ms <= 0:
+        raise UserError(f"virtual_stage_ms={cfg.virtual_stage_ms}: must be > 0")

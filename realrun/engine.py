@@ -1,0 +1,166 @@
+"""The torch executor: drives the shared Scheduler with a real Hugging Face MoE model.
+
+The loop mirrors ``sim.engine`` step for step, with the ``ModelRunner`` in place of the
+latency model:
+
+- arrivals are admitted (``sched.arrive``) once the clock has passed their arrival time: when
+  idle, the engine sleeps until the next one; while a batch runs, it polls at every boundary
+  the policy's granularity allows (``sim.latency.preemptible_boundaries``, the same list the
+  simulator uses) and, when one has arrived, asks ``sched.should_preempt()``;
+- a batch's ``plan`` is its runner ``IterationState`` (hidden states, routing, partial expert
+  sums); a preempted batch keeps it, so a resumed batch continues from ``batch.cursor`` and
+  recomputes nothing;
+- every scheduler Sequence owns one ``KVSequence`` (its token ids and its KV cache) from
+  arrival to finish; the runner appends the greedy token of each iteration, and a sequence
+  stops after exactly its request's output tokens (no EOS).
+
+On CUDA, stage boundaries are host times: kernels run asynchronously, and the host waits for
+the device only where the runner reads results back (each router's queue sizes, the tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from policies.core import Batch, Request
+from policies.core import Sequence as Seq
+from policies.scheduler import Scheduler
+from profiler.ops import KVSequence, ModelRunner
+from realrun.clock import VirtualClock, WallClock
+from realrun.trace import ChromeTrace
+from sim.latency import preemptible_boundaries
+
+
+@dataclass
+class RealResult:
+    sequences: list[Seq]
+    tokens: dict[int, list[int]]  # request id -> generated token ids
+    makespan_s: float
+    stages: int  # stages executed (the real engine's "events")
+    wall_s: float
+    iterations: int
+    preemptions: int
+    peak_kv_used_tokens: int
+    arrived: int
+
+
+class RealEngine:
+    def __init__(
+        self,
+        requests: Sequence[Request],
+        prompts: dict[int, list[int]],
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        clock: WallClock | VirtualClock | None = None,
+        trace: ChromeTrace | None = None,
+        on_finish: Callable[[Seq], None] | None = None,
+    ) -> None:
+        missing = [r.id for r in requests if len(prompts.get(r.id, ())) != r.prompt_tokens]
+        if missing:
+            raise ValueError(f"requests {missing[:5]} have no prompt of their prompt_tokens")
+        self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.id))
+        self.prompts = prompts
+        self.sched = scheduler
+        self.runner = runner
+        self.clock = clock or WallClock()
+        self.trace = trace
+        self.on_finish = on_finish
+        self.allowed = frozenset(preemptible_boundaries(
+            runner.num_layers, runner.stages_per_layer, scheduler.granularity))  # fmt: skip
+        self.kv: dict[int, KVSequence] = {}
+        self.sequences: list[Seq] = []
+        self.tokens: dict[int, list[int]] = {}
+        self.stages = 0
+        self._next = 0  # index of the next request to arrive
+
+    # ----------------------------------------------------------------------------- arrivals
+    def _admit(self, now: float) -> None:
+        requests = self.requests
+        while self._next < len(requests) and requests[self._next].arrival_s <= now:
+            r = requests[self._next]
+            self._next += 1
+            seq = self.sched.arrive(r, now)
+            self.sequences.append(seq)
+            # Sized once for every token it will hold: no KV buffer ever grows mid-run.
+            capacity = r.prompt_tokens + r.output_tokens
+            self.kv[r.id] = self.runner.new_sequence(self.prompts[r.id], seq, capacity)
+
+    @property
+    def _arrivals_done(self) -> bool:
+        return self._next == len(self.requests)
+
+    # ---------------------------------------------------------------------------------- run
+    def run(self) -> RealResult:
+        sched, clock = self.sched, self.clock
+        wall = time.perf_counter()
+        clock.start()
+        while True:
+            self._admit(clock.now())
+            batch = sched.next_batch(clock.now())
+            if batch is None:
+                if self._arrivals_done:
+                    if sched.in_system:
+                        raise RuntimeError(f"scheduler stalled with {sched.in_system} requests")
+                    break
+                clock.sleep_until(self.requests[self._next].arrival_s)
+                continue
+            self._execute(batch)
+        return RealResult(
+            sequences=self.sequences,
+            tokens=self.tokens,
+            makespan_s=clock.now(),
+            stages=self.stages,
+            wall_s=time.perf_counter() - wall,
+            iterations=sched.iterations,
+            preemptions=sched.preemptions,
+            peak_kv_used_tokens=sched.peak_kv_used_tokens,
+            arrived=len(self.sequences),
+        )
+
+    def _execute(self, batch: Batch) -> None:
+        """Run the batch's iteration from its cursor to the end, or to the first allowed
+        boundary at which the policy wants the processor back.
+
+        As the simulator does, the policy is asked only when a request has arrived: nothing
+        else changes the scheduler's state while a batch runs."""
+        sched, clock, runner, trace = self.sched, self.clock, self.runner, self.trace
+        requests, allowed = self.requests, self.allowed
+        state = batch.plan
+        if state is None:
+            state = batch.plan = runner.begin([self.kv[s.id] for s in batch.sequences])
+        stage_trace = trace is not None and trace.stages
+        start = now = clock.now()
+        stages = 0
+        while not state.done:
+            ref = runner.step(state)
+            clock.tick()
+            stages += 1
+            before, now = now, clock.now()
+            if stage_trace:  # the queue of the layer in progress is read after its expert ran
+                tokens = state.queue_size(ref.expert) if ref.stage == "expert" else 0
+                if tokens or ref.stage != "expert":
+                    trace.stage(ref, batch, before, now, tokens)
+            if (
+                state.cursor in allowed
+                and self._next < len(requests)
+                and requests[self._next].arrival_s <= now
+            ):
+                self._admit(now)
+                batch.cursor = state.cursor
+                if sched.should_preempt():
+                    self.stages += stages
+                    sched.preempt(now)
+                    if trace is not None:
+                        trace.segment(batch, start, now, preempted=True)
+                    return
+        self.stages += stages
+        if trace is not None:
+            trace.segment(batch, start, now, preempted=False)
+        for seq in sched.complete_iteration(now):
+            self.tokens[seq.id] = self.kv.pop(seq.id).generated
+            if trace is not None:
+                trace.request(seq)
+            if self.on_finish is not None:
+                self.on_finish(seq)

@@ -1,0 +1,130 @@
+"""One real-engine run from a config: workload -> prompts -> scheduler + model -> outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from policies.core import Request
+from policies.scheduler import CapacityError, Scheduler
+from profiler.measure import Profiler, Settings
+from profiler.models import ModelError, ModelInfo, build_model
+from profiler.ops import ModelRunner, RunnerError
+from profiler.schema import Memory
+from realrun.clock import VirtualClock, WallClock
+from realrun.config import ClockKind, TraceLevel, validate_realrun
+from realrun.engine import RealEngine, RealResult
+from realrun.prompts import build_prompts, load_tokenizer, random_ids
+from realrun.trace import ChromeTrace
+from sim.config import UserError
+from sim.metrics import requests_frame, summarize
+from sim.run import build_policy
+from sim.workloads import build_workload
+
+
+@dataclass
+class RealOutput:
+    requests: pd.DataFrame
+    summary: dict
+    result: RealResult
+    trace: ChromeTrace | None
+
+
+def load_model(cfg: Any) -> tuple[ModelRunner, ModelInfo]:
+    """The configured model on its device, behind a runner; model errors become UserErrors."""
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    model_cfg = cfg.model
+    if isinstance(model_cfg, DictConfig):  # config overrides reach transformers as plain values
+        model_cfg = OmegaConf.to_container(model_cfg, resolve=True)
+    try:
+        model, info = build_model(model_cfg, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed)
+        return ModelRunner(model), info
+    except (ModelError, RunnerError) as e:
+        raise UserError(f"model: {e}") from None
+
+
+def prepare_requests(
+    cfg: Any, runner: ModelRunner, requests: list[Request] | None = None
+) -> tuple[list[Request], dict[int, list[int]]]:
+    """The workload's requests (built from ``cfg.workload`` unless given) with the token ids
+    they feed, prompts cut to ``cfg.max_prompt_tokens``."""
+    if requests is None:
+        requests = build_workload(cfg.workload, seed=cfg.seed)
+    tokenizer = load_tokenizer(cfg.model.path)
+    return build_prompts(requests, runner.config.vocab_size, cfg.max_prompt_tokens, cfg.seed,
+                         tokenizer)  # fmt: skip
+
+
+def measure_memory(runner: ModelRunner) -> Memory:
+    """KV and saved-activation bytes per token and the KV capacity, as the profiler defines
+    them (so a run with a profile and one without account for memory alike)."""
+    return Profiler(runner, Settings([1], [1], [1], [1]), runner.device).memory()
+
+
+def warm_up(runner: ModelRunner, prompt_tokens: int) -> None:
+    """The first calls of each torch op are slow (allocations, kernel choice): run a prefill
+    and a few decode steps before the clock starts, so no request is charged for them."""
+    vocab = runner.config.vocab_size
+    seqs = [runner.new_sequence(random_ids(n, vocab, 0, i))
+            for i, n in enumerate({prompt_tokens, 8})]  # fmt: skip
+    for _ in range(3):
+        runner.run(runner.begin(seqs))
+
+
+def execute(
+    requests: list[Request],
+    prompts: dict[int, list[int]],
+    scheduler: Scheduler,
+    runner: ModelRunner,
+    slo: Any,
+    clock=None,
+    trace: ChromeTrace | None = None,
+    progress: bool = False,
+) -> RealOutput:
+    """Run the engine over the requests and summarize in the simulator's schema."""
+    bar = tqdm(total=len(requests), desc="serving", unit="req") if progress else None
+    engine = RealEngine(requests, prompts, scheduler, runner, clock, trace,
+                        on_finish=(lambda _: bar.update()) if bar else None)  # fmt: skip
+    try:
+        result = engine.run()
+    except CapacityError as e:
+        raise UserError(f"kv_capacity_tokens: {e}") from None
+    finally:
+        if bar:
+            bar.close()
+    df = requests_frame(result.sequences)
+    summary = summarize(
+        df,
+        makespan_s=result.makespan_s,
+        arrived=result.arrived,
+        executor={"events": result.stages, "wall_s": result.wall_s},
+        ls_ttft_slo_s=slo.ls_ttft_s,
+        be_ttft_slo_s=slo.be_ttft_s,
+    )
+    return RealOutput(df, summary, result, trace)
+
+
+def realrun(cfg: Any) -> RealOutput:
+    """The ``qllm-realrun`` pipeline."""
+    validate_realrun(cfg)
+    runner, _ = load_model(cfg)
+    requests, prompts = prepare_requests(cfg, runner)
+    memory = measure_memory(runner)
+    scheduler = Scheduler(
+        build_policy(cfg.policy),
+        kv_capacity_tokens=cfg.kv_capacity_tokens or memory.kv_capacity_tokens,
+        activation_tokens_per_token=memory.activation_bytes_per_token / memory.kv_bytes_per_token,
+    )
+    if cfg.warmup:
+        warm_up(runner, max(r.prompt_tokens for r in requests))
+    level = TraceLevel(cfg.trace)
+    trace = None if level is TraceLevel.off else ChromeTrace(stages=level is TraceLevel.stages)
+    virtual = ClockKind(cfg.clock) is ClockKind.virtual
+    clock = VirtualClock(cfg.virtual_stage_ms / 1e3) if virtual else WallClock()
+    return execute(requests, prompts, scheduler, runner, cfg.slo, clock, trace, cfg.progress)

@@ -1,0 +1,192 @@
+"""The real engine: every policy, with preemptions mid-layer and mid-expert, produces exactly
+``model.generate``'s greedy tokens for every request; qllm-realrun writes the simulator's
+output schema plus a Chrome trace; idle waits sleep; user errors are one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from policies.core import BE, LS, Granularity, Request
+from policies.scheduler import Scheduler
+from profiler.models import build_model
+from profiler.ops import ModelRunner
+from realrun.clock import VirtualClock, WallClock
+from realrun.engine import RealEngine
+from realrun.prompts import build_prompts
+from realrun.trace import ChromeTrace
+from sim.app import CONF_DIR
+from sim.metrics import REQUEST_COLUMNS
+from sim.run import build_policy
+
+POLICIES = ("fcfs", "iteration", "priority", "layer", "qllm")
+STAGE_S = 1e-3  # virtual time per stage: an iteration of tiny-mixtral is 42 ms
+
+
+def mixed_requests() -> list[Request]:
+    """12 BE jobs with long outputs arrive first; 10 short LS jobs follow one by one while BE
+    batches run, so most LS arrivals find a BE-only batch mid-iteration."""
+    be = [Request(i, BE, 0.01 * i, 3 + (7 * i) % 37, 6 + i % 7) for i in range(12)]
+    ls = [Request(12 + j, LS, 0.15 + 0.133 * j, 2 + (5 * j) % 23, 1 + j % 3) for j in range(10)]
+    return be + ls
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread, as the apps use: OpenMP teams on a busy 2-core machine run tiny ops
+    ~30x slower and spin through idle waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def f64():
+    """float64 (argmax ties cannot flip by rounding) with larger random weights, so greedy
+    tokens depend on the whole context (as the runner's own exactness tests do)."""
+    model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
+                           dtype="float64", seed=3)  # fmt: skip
+    requests, prompts = build_prompts(mixed_requests(), 512, max_prompt_tokens=64, seed=0)
+    reference = {
+        r.id: model.generate(torch.tensor([prompts[r.id]]), do_sample=False,
+                             max_new_tokens=r.output_tokens)[0, r.prompt_tokens :].tolist()
+        for r in requests
+    }  # fmt: skip
+    return ModelRunner(model), requests, prompts, reference
+
+
+class RecordingScheduler(Scheduler):
+    """Keeps the cursor of every batch it suspends."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cursors: list[int] = []
+
+    def preempt(self, now):
+        self.cursors.append(self.running.cursor)
+        return super().preempt(now)
+
+
+def policy(name: str, max_batch_size: int = 6):
+    cfg = OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml")
+    cfg.max_batch_size = max_batch_size
+    return build_policy(cfg)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_policy_generates_exactly_the_greedy_tokens(f64, name):
+    runner, requests, prompts, reference = f64
+    sched = RecordingScheduler(policy(name), kv_capacity_tokens=100_000,
+                               activation_tokens_per_token=1.0)  # fmt: skip
+    trace = ChromeTrace()
+    result = RealEngine(requests, prompts, sched, runner, VirtualClock(STAGE_S), trace).run()
+    assert result.tokens == reference
+    assert result.arrived == len(requests) and all(s.done for s in result.sequences)
+    # A resumed batch continues from its cursor: no stage of any iteration runs twice.
+    assert result.stages == result.iterations * runner.num_stages
+    assert sum(s.preemptions for s in result.sequences) >= result.preemptions
+    if sched.granularity >= Granularity.LAYER:
+        assert result.preemptions >= 8, f"{name}: only {result.preemptions} preemptions"
+        where = [runner.locate(c) for c in sched.cursors]
+        assert all(0 < c < runner.num_stages for c in sched.cursors)
+        if sched.granularity is Granularity.EXPERT:  # some stop between two experts
+            assert any(ref.stage == "expert" and ref.expert > 0 for ref in where)
+        preempted = [e for e in trace.events if e["name"].endswith("(preempted)")]
+        assert len(preempted) == result.preemptions
+    else:
+        assert result.preemptions == 0
+
+
+def test_virtual_clock_runs_are_deterministic(f64):
+    runner, requests, prompts, _ = f64
+    runs = []
+    for _ in range(2):
+        sched = Scheduler(policy("qllm"), kv_capacity_tokens=100_000)
+        result = RealEngine(requests, prompts, sched, runner, VirtualClock(STAGE_S)).run()
+        runs.append([(s.id, s.first_token_s, s.finish_s, s.preemptions) for s in result.sequences])
+    assert runs[0] == runs[1]
+
+
+def test_idle_waits_sleep_instead_of_spinning():
+    model, _ = build_model("tiny-mixtral")
+    runner = ModelRunner(model)
+    reqs, prompts = build_prompts([Request(0, BE, 0.0, 4, 2), Request(1, LS, 0.6, 4, 2)], 512,
+                                  max_prompt_tokens=8, seed=0)  # fmt: skip
+    sched = Scheduler(policy("qllm"), kv_capacity_tokens=1000)
+    cpu = time.process_time()
+    result = RealEngine(reqs, prompts, sched, runner, WallClock()).run()
+    cpu = time.process_time() - cpu
+    assert result.makespan_s >= 0.6
+    assert cpu < 0.3, f"{cpu:.2f} s of CPU while waiting 0.6 s for an arrival"
+
+
+def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "realrun", f"hydra.run.dir={tmp_path}", "progress=false",
+         *overrides],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+
+
+def test_cli_writes_the_simulator_schema_and_a_chrome_trace(tmp_path):
+    done = run_cli(tmp_path, "workload=synthetic", "workload.num_requests=6", "workload.rate=50",
+                   "workload.prompt.tokens=12", "workload.output.tokens=3", "policy=qllm",
+                   "workload.ls_fraction=0.5")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "policy=qllm" in done.stdout
+    df = pd.read_parquet(tmp_path / "requests.parquet")
+    assert list(df.columns) == REQUEST_COLUMNS and len(df) == 6
+    assert (df.ttft_s > 0).all() and (df.turnaround_s >= df.ttft_s).all()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["completed"] == 6 and summary["executor"]["events"] > 0
+    assert set(summary["classes"]) == {"LS", "BE", "all"}
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["cat"] for e in spans} >= {"prepare", "attention", "router", "expert", "lm_head",
+                                         "prefill", "LS", "BE", "ttft"}  # fmt: skip
+    for e in spans:
+        assert e["dur"] >= 0 and e["ts"] >= 0 and {"pid", "tid", "name"} <= set(e)
+    assert sum(e["cat"] == "ttft" for e in spans) == 6
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("model=nope", "model=nope: unknown model"),
+     ("workload.rate=-1", "workload.rate=-1.0: must be > 0"),
+     ("max_prompt_tokens=0", "max_prompt_tokens=0: must be >= 1")],
+)  # fmt: skip
+def test_user_errors_are_one_line(tmp_path, override, message):
+    done = subprocess.run(
+        [Path(sys.executable).parent / "qllm-realrun", f"hydra.run.dir={tmp_path}", override],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    err = done.stderr.strip()
+    assert message in err and "\n" not in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_exact_tokens_on_cuda():
+    model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
+                           device="cuda", dtype="float64", seed=3)  # fmt: skip
+    requests, prompts = build_prompts(mixed_requests(), 512, max_prompt_tokens=64, seed=0)
+    sched = Scheduler(policy("qllm"), kv_capacity_tokens=100_000)
+    result = RealEngine(requests, prompts, sched, ModelRunner(model), VirtualClock(STAGE_S)).run()
+    for r in requests:
+        ref = model.generate(
+            torch.tensor([prompts[r.id]], device="cuda"),
+            do_sample=False,
+            max_new_tokens=r.output_tokens,
+        )[0, r.prompt_tokens :].tolist()
+        assert result.tokens[r.id] == ref
+    assert result.preemptions >= 5

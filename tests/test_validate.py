@@ -1,0 +1,92 @@
+"""qllm-validate on a small case: profiles tiny-mixtral, runs the real engine and the
+simulator on the same requests, and writes finite sim-vs-real records and a plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from realrun.validate import CLASSES, check, run_validation, table
+from sim.app import CONF_DIR
+from sim.config import UserError
+
+SMALL = [
+    "workload.num_requests=10",
+    "workload.ls_fraction=0.5",
+    "workload.prompt.tokens=24",
+    "workload.prompt.max=64",
+    "workload.output.tokens=8",
+    "workload.output.max=16",
+    "max_prompt_tokens=64",
+    "policies=[fcfs,qllm]",
+    "utilizations=[0.5,2.0]",
+    "profile.grid.prefill_tokens=[8,32,64]",
+    "profile.grid.decode_batch=[1,4,8]",
+    "profile.grid.decode_kv=[16,80]",
+    "profile.warmup=1",
+    "profile.repeats=3",
+    "progress=false",
+]
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_small_validation_writes_finite_records_and_a_plot(tmp_path, restore_threads):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("validate", overrides=[*SMALL, f"out_dir={tmp_path}", "name=small"])
+        records, out = run_validation(cfg)
+    assert out == tmp_path / "small"
+    assert json.loads((out / "validation.json").read_text()) == records
+    assert (out / "validation.png").stat().st_size > 0
+    assert (out / "profile" / "profile.json").is_file()
+    rates = sorted({r["rate"] for r in records})
+    assert len(rates) == 2 and rates[0] < rates[1]
+    keys = {"policy", "rate", "cls", "metric", "sim", "real", "error_pct"}
+    for r in records:
+        assert set(r) == keys and r["cls"] in CLASSES
+        assert math.isfinite(r["sim"]) and math.isfinite(r["real"]) and r["real"] > 0
+        assert math.isfinite(r["error_pct"])
+    for policy in ("fcfs", "qllm"):
+        for rate in rates:
+            got = {(r["cls"], r["metric"]) for r in records
+                   if r["policy"] == policy and r["rate"] == rate}  # fmt: skip
+            assert ("all", "throughput_jobs") in got and ("all", "ttft_mean") in got
+    assert "error%" in table(records).splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("policies=[qllm,nope]", "policies: nope is not a policy"),
+     ("utilizations=[0]", "utilizations=[0.0]: need values > 0"),
+     ("max_prompt_tokens=0", "max_prompt_tokens=0: must be >= 1")],
+)  # fmt: skip
+def test_bad_settings_are_user_errors(override, message):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("validate", overrides=[override])
+    with pytest.raises(UserError, match=message.replace("[", r"\[")):
+        check(cfg)
+
+
+def test_console_script_prints_the_table(tmp_path):
+    script = Path(sys.executable).parent / "qllm-validate"
+    done = subprocess.run(
+        [script, *SMALL, "policies=[iteration]", "utilizations=[1.0]", f"out_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "error%" in done.stdout and "max |error_pct|" in done.stdout
+    assert (tmp_path / "tiny-mixtral-cpu" / "validation.json").is_file()
+    bad = subprocess.run([script, "policies=[nope]"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "\n" not in bad.stderr.strip(), bad.stderr
