@@ -29,8 +29,10 @@ op                        key columns (others are 0)     what was timed
                                                          layer's norm + attention (n tokens,
                                                          empty cache)
 ``attn_decode``           batch_size, kv_tokens          a decode batch through a layer's
-                                                         norm + attention, kv_tokens = mean
-                                                         context length per sequence
+                                                         norm + attention, every sequence
+                                                         with kv_tokens cached (the executor
+                                                         pads a batch to its longest context,
+                                                         so the model reads it at the max)
 ``router``                num_tokens                     post-attention norm + gate + top-k
 ``expert``                num_tokens                     one expert's FFN on n tokens,
                                                          including gather and scatter-add

@@ -259,7 +259,8 @@ class LatencyModel:
     def attention_s(self, batch: Batch) -> float:
         if batch.phase is Phase.PREFILL:
             return sum(self.attn_prefill.scalar(s.new_tokens) for s in batch.sequences)
-        kv = sum(s.context_tokens for s in batch.sequences) / batch.size
+        # decode attention runs on the batch's caches right-padded to the longest context
+        kv = max(s.context_tokens for s in batch.sequences)
         return self.attn_decode(batch.size, kv)
 
     def _expert_times(self, counts: np.ndarray) -> np.ndarray:
