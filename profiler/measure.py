@@ -9,9 +9,11 @@ than inside an iteration, where the rest of the model streamed through the cache
   ``attn_prefill(n)`` and ``router(n)``;
 - decode iterations of B sequences with kv cached tokens each (``grid.decode_batch`` x
   ``grid.decode_kv``, distinct random prompts) give ``attn_decode(B, kv)``, ``router(B)``,
-  ``lm_head(B)`` and ``step_overhead(B)``: the iteration's time minus its attention, router,
-  expert and lm_head stages (that is the prepare stage, the stages of experts that received no
-  token, and the dispatch between stages);
+  ``lm_head(B)`` and ``step_overhead(B)``: the iteration's mean time minus the medians of its
+  attention, router, expert and lm_head stages (that is the prepare stage, the stages of
+  experts that received no token, the dispatch between stages, and the skew of stage times:
+  the simulator adds per-stage medians, and this term makes them add up to the measured mean
+  iteration, which is what mean TTFT and turnaround are made of);
 - every expert stage of both gives a sample of ``expert(n)``, n its queue size; samples are
   pooled in bins around ``grid.expert_tokens`` (a point per bin: median n, median time).
 
@@ -183,30 +185,38 @@ class Profiler:
         or a decode ``batch`` with ``kv`` cached tokens each (which also gives lm_head and
         step_overhead)."""
         attention = ("attn_decode", batch, 0, kv) if batch else ("attn_prefill", 0, num_tokens, 0)
-        for total, stages in runs:
-            timed = 0.0
+        ops = {"attention": attention, "router": ("router", 0, num_tokens, 0),
+               "lm_head": ("lm_head", batch, 0, 0)}  # fmt: skip
+        counts: dict[tuple, int] = defaultdict(int)  # stages of each op in one iteration
+        expert_ms = []  # per run: the experts' summed time
+        for _, stages in runs:
+            experts = 0.0
             for st in stages:
                 stage = st.ref.stage
-                if stage == "attention":
-                    self.samples[attention].append(st.ms)
-                elif stage == "router":
-                    self.samples[("router", 0, num_tokens, 0)].append(st.ms)
-                elif stage == "expert" and st.tokens:
+                if stage == "expert" and st.tokens:
                     self.expert_samples.append((st.tokens, st.ms))
-                elif stage == "lm_head":
-                    if batch:
-                        self.samples[("lm_head", batch, 0, 0)].append(st.ms)
-                else:
-                    continue  # prepare and empty experts: part of the overhead
-                timed += st.ms
-            if batch:
-                self.samples[("step_overhead", batch, 0, 0)].append(total - timed)
+                    experts += st.ms
+                elif stage in ops and (batch or stage != "lm_head"):
+                    self.samples[ops[stage]].append(st.ms)
+                    counts[ops[stage]] += 1
+            expert_ms.append(experts)
+        if batch:
+            # mean iteration minus the stage medians the latency model will add up
+            stage_ms = sum(n / len(runs) * summarize(self.samples[op][-n:])[0]
+                           for op, n in counts.items())  # fmt: skip
+            mean_total = float(np.mean([total for total, _ in runs]))
+            residual = mean_total - stage_ms - float(np.median(expert_ms))
+            self.samples[("step_overhead", batch, 0, 0)].append(max(residual, 0.0))
 
     def prefill(self, n: int) -> None:
         self.record(self.repeat(self.prompts([n])), num_tokens=n)
 
     def decode(self, batch: int, kv: int) -> None:
-        seqs = self.prompts([kv] * batch)
+        # Contexts spread from kv/2 up to kv: in a real decode batch they differ, and the runner
+        # then pads them to the longest (the latency model reads attn_decode at the max), a
+        # path that equal lengths would skip.
+        lengths = [max(1, round(kv * (1 - 0.5 * i / max(batch - 1, 1)))) for i in range(batch)]
+        seqs = self.prompts(lengths)
         self.runner.run(self.runner.begin(seqs))  # the prefill: kv cached, one token to feed
         self.record(self.repeat(seqs), num_tokens=batch, batch=batch, kv=kv)
 
