@@ -26,7 +26,7 @@ reproduce: venv
 
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900
+	$(BIN)/python -m pytest -p no:cacheprovider --timeout=900
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
