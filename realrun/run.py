@@ -22,7 +22,7 @@ from realrun.engine import RealEngine, RealResult
 from realrun.prompts import build_prompts, load_tokenizer, random_ids
 from realrun.trace import ChromeTrace
 from sim.config import UserError
-from sim.metrics import requests_frame, summarize
+from sim.metrics import outputs
 from sim.run import build_policy
 from sim.workloads import build_workload
 
@@ -98,15 +98,7 @@ def execute(
     finally:
         if bar:
             bar.close()
-    df = requests_frame(result.sequences)
-    summary = summarize(
-        df,
-        makespan_s=result.makespan_s,
-        arrived=result.arrived,
-        executor={"events": result.stages, "wall_s": result.wall_s},
-        ls_ttft_slo_s=slo.ls_ttft_s,
-        be_ttft_slo_s=slo.be_ttft_s,
-    )
+    df, summary = outputs(result.sequences, result.makespan_s, result.stages, result.wall_s, slo)
     return RealOutput(df, summary, result, trace)
 
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -91,6 +92,20 @@ def summarize(
         "completed": int(len(done)),
         "executor": executor,
     }
+
+
+def outputs(sequences: list[Seq], makespan_s: float, events: int, wall_s: float, slo: Any):
+    """(requests table, summary) of a finished run, from either executor."""
+    df = requests_frame(sequences)
+    summary = summarize(
+        df,
+        makespan_s=makespan_s,
+        arrived=len(sequences),
+        executor={"events": events, "wall_s": wall_s},
+        ls_ttft_slo_s=slo.ls_ttft_s,
+        be_ttft_slo_s=slo.be_ttft_s,
+    )
+    return df, summary
 
 
 def _met(part: pd.DataFrame, slo_s: float | None) -> int:

@@ -16,7 +16,7 @@ from sim import profiles
 from sim.config import UserError, validate
 from sim.engine import SimResult, Simulation
 from sim.latency import LatencyModel, RoutingModel
-from sim.metrics import requests_frame, summarize
+from sim.metrics import outputs
 from sim.workloads import build_workload
 
 
@@ -92,13 +92,6 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
     finally:
         if bar:
             bar.close()
-    df = requests_frame(result.sequences)
-    summary = summarize(
-        df,
-        makespan_s=result.makespan_s,
-        arrived=result.arrived,
-        executor={"events": result.events, "wall_s": result.wall_s},
-        ls_ttft_slo_s=cfg.slo.ls_ttft_s,
-        be_ttft_slo_s=cfg.slo.be_ttft_s,
-    )
+    df, summary = outputs(result.sequences, result.makespan_s, result.events, result.wall_s,
+                          cfg.slo)  # fmt: skip
     return RunOutput(df, summary, result)
