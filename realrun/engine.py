@@ -43,7 +43,6 @@ class RealResult:
     iterations: int
     preemptions: int
     peak_kv_used_tokens: int
-    arrived: int
 
 
 class RealEngine:
@@ -116,7 +115,6 @@ class RealEngine:
             iterations=sched.iterations,
             preemptions=sched.preemptions,
             peak_kv_used_tokens=sched.peak_kv_used_tokens,
-            arrived=len(self.sequences),
         )
 
     def _execute(self, batch: Batch) -> None:

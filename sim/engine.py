@@ -31,7 +31,6 @@ class SimResult:
     iterations: int
     preemptions: int
     peak_kv_used_tokens: int
-    arrived: int
     trace: list[tuple] = field(default_factory=list)  # (start_s, end_s, batch_id, kind, note)
 
 
@@ -159,6 +158,5 @@ class Simulation:
             iterations=self.sched.iterations,
             preemptions=self.sched.preemptions,
             peak_kv_used_tokens=self.sched.peak_kv_used_tokens,
-            arrived=len(self.sequences),
             trace=self.trace,
         )

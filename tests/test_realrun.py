@@ -90,7 +90,7 @@ def test_every_policy_generates_exactly_the_greedy_tokens(f64, name):
     trace = ChromeTrace()
     result = RealEngine(requests, prompts, sched, runner, VirtualClock(STAGE_S), trace).run()
     assert result.tokens == reference
-    assert result.arrived == len(requests) and all(s.done for s in result.sequences)
+    assert len(result.sequences) == len(requests) and all(s.done for s in result.sequences)
     # A resumed batch continues from its cursor: no stage of any iteration runs twice.
     assert result.stages == result.iterations * runner.num_stages
     assert sum(s.preemptions for s in result.sequences) >= result.preemptions
