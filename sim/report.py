@@ -10,7 +10,7 @@ a crashed or unfinished run has none and is left out). Writes, under ``<sweep>/r
   attainment), ``fig3_throughput_vs_rate.png`` (Fig. 3), ``fig4_turnaround_vs_rate.png``
   (Fig. 4: LS and BE turnaround), ``ttft_cdf.png`` (TTFT CDFs per policy at a few rates).
 
-Points are means over seeds; error bars span the lowest to the highest seed's value.
+Points are means over seeds; error bars are 95% t-intervals of the mean (none for one seed).
 """
 
 from __future__ import annotations
@@ -167,16 +167,29 @@ def series_columns(table: pd.DataFrame) -> list[str]:
     return cols
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1..30); 1.96 beyond.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def t975(dof: int) -> float:
+    return _T975[dof - 1] if 1 <= dof <= len(_T975) else 1.96
+
+
 def over_seeds(table: pd.DataFrame, cls: str, value: str, series: list[str] | None = None):
-    """Mean, min and max of ``value`` over seeds, per series and rate, for one class."""
+    """Mean, min, max and the 95% t-interval half-width (``ci95``; NaN for one seed) of
+    ``value`` over seeds, per series and rate, for one class."""
     part = table[table["cls"] == cls]
     keys = [*(series or series_columns(table)), "rate"]
     out = (
         part.groupby(keys, dropna=False, sort=False)[value]
-        .agg(["mean", "min", "max", "count"])
+        .agg(["mean", "min", "max", "count", "std"])
         .reset_index()
     )
-    return out.sort_values(keys, kind="stable")
+    half = out["std"] / np.sqrt(out["count"]) * out["count"].map(lambda n: t975(int(n) - 1))
+    out["ci95"] = half.where(out["count"] > 1)
+    return out.drop(columns="std").sort_values(keys, kind="stable")
 
 
 def _label(series: tuple, cols: list[str]) -> str:
@@ -192,14 +205,16 @@ STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "-
 def draw_lines(ax, table: pd.DataFrame, cls: str, value: str, scale: float = 1.0,
                series: list[str] | None = None) -> None:  # fmt: skip
     """One line per series (by default: policy and every other setting that varies) of
-    ``value`` for class ``cls`` against the rate: means over seeds, min..max error bars.
+    ``value`` for class ``cls`` against the rate: means over seeds, 95% t-interval bars.
     Marker and line style change from series to series, so that equal lines stay visible."""
     cols = series or series_columns(table)
     agg = over_seeds(table, cls, value, cols)
     for i, (key, part) in enumerate(agg.groupby(cols, dropna=False, sort=False)):
         key = key if isinstance(key, tuple) else (key,)
         mean = part["mean"] * scale
-        err = np.vstack([mean - part["min"] * scale, part["max"] * scale - mean])
+        half = part["ci95"] * scale
+        # on a log axis a bar below zero cannot be drawn: stop the lower bar just above zero
+        err = np.vstack([np.where(mean > 0, np.minimum(half, mean * 0.999), half), half])
         marker, line = STYLES[i % len(STYLES)]
         ax.errorbar(part["rate"], mean, yerr=err if part["count"].max() > 1 else None,
                     marker=marker, ls=line, ms=4 + (i % 3), capsize=3,

@@ -1,0 +1,5 @@
+import sys
+
+from sim.reproduce import main
+
+sys.exit(main())
