@@ -95,11 +95,19 @@ class SloConfig:
 
 
 @dataclass
+class ClusterConfig:
+    replicas: int = 1  # each replica: its own scheduler and latency model, one shared clock
+    router: str = "round_robin"  # see sim/cluster.py: ROUTERS
+    ls_replicas: int = 1  # ls_dedicated: how many replicas serve LS requests only
+
+
+@dataclass
 class SimConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     policy: Any = MISSING  # PolicyConfig or a subclass schema from conf/policy
     slo: SloConfig = field(default_factory=SloConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 0
     boundary_mode: str = "lookup"  # lookup (one event per step) | step (every boundary)
     progress: bool = False
@@ -140,6 +148,15 @@ def validate(cfg: Any) -> None:
         "must be >= 1",
     )
     need(slo.ls_ttft_s > 0, "slo.ls_ttft_s", slo.ls_ttft_s, "must be > 0 seconds")
+    if "cluster" in cfg:
+        from sim.cluster import ROUTERS
+
+        c = cfg.cluster
+        need(c.replicas >= 1, "cluster.replicas", c.replicas, "must be >= 1")
+        need(c.router in ROUTERS, "cluster.router", c.router, f"one of {', '.join(ROUTERS)}")
+        if c.router == "ls_dedicated":
+            need(1 <= c.ls_replicas < c.replicas, "cluster.ls_replicas", c.ls_replicas,
+                 "must be in [1, cluster.replicas - 1] for ls_dedicated")  # fmt: skip
     need(
         cfg.boundary_mode in ("lookup", "step"),
         "boundary_mode",
