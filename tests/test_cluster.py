@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+
 import numpy as np
 import pytest
 import simpy
@@ -97,3 +99,47 @@ def test_more_replicas_drain_an_overload_faster():
     one = cluster(reqs, 1, "least_outstanding").result.makespan_s
     four = cluster(reqs, 4, "least_outstanding").result.makespan_s
     assert four < one / 2.5
+
+
+# ------------------------------------------------------------------------------ qllm-plan
+def test_bisection_finds_a_monotone_capacity_within_tolerance():
+    from sim.plan import Search
+
+    s = Search("qllm", "round_robin", 1, lo=0.5, rel_tol=0.02)
+    while not s.done:
+        rate = s.next_rate()
+        s.record(rate, rate <= 7.3)
+    assert 7.3 * 0.98 <= s.capacity <= 7.3
+    low = Search("qllm", "round_robin", 1, lo=0.5, rel_tol=0.02)
+    low.record(low.next_rate(), False)
+    assert low.done and low.capacity == 0.0
+
+
+def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monkeypatch):
+    import sim.plan as plan
+
+    args = ["--replicas", "1", "2", "--policies", "qllm", "--rate-lo", "0.5",
+            "--rel-tol", "0.1", "--horizon-s", "40", "--min-requests", "40", "--jobs", "1",
+            "--goodput", "0.9", "--out", str(tmp_path), "workload=synthetic",
+            "workload.output.tokens=16", "workload.prompt.tokens=64"]  # fmt: skip
+    assert plan.main(args) == 0
+    rows = list(csv.DictReader((tmp_path / "plan.csv").open()))
+    cap = {int(r["replicas"]): float(r["max_rate"]) for r in rows}
+    assert cap[1] > 0 and cap[2] > 1.5 * cap[1]
+    assert (tmp_path / "frontier.png").is_file()
+    runs = len(list(csv.DictReader((tmp_path / "evaluations.csv").open())))
+
+    def no_new_runs(task):
+        raise AssertionError(f"resumed search ran {task}")
+
+    monkeypatch.setattr(plan, "evaluate", no_new_runs)
+    assert plan.main(args) == 0  # every evaluation is reused
+    assert len(list(csv.DictReader((tmp_path / "evaluations.csv").open()))) == runs
+
+
+def test_plan_refuses_a_bad_override_in_one_line(tmp_path, capsys):
+    import sim.plan as plan
+
+    assert plan.main(["--out", str(tmp_path), "workload.rate=-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qllm-plan: error:")
