@@ -143,3 +143,18 @@ def test_plan_refuses_a_bad_override_in_one_line(tmp_path, capsys):
     assert plan.main(["--out", str(tmp_path), "workload.rate=-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("qllm-plan: error:")
+
+
+# ------------------------------------------------------------------------- day-scale arrivals
+def test_diurnal_rate_curve_has_the_asked_peak_to_trough_and_keeps_the_mean():
+    from sim.workloads import arrivals
+
+    rng = np.random.default_rng(0)
+    flat = arrivals.poisson(200_000, 2.0, rng)  # ~100,000 s: more than a day
+    day = arrivals.diurnal(flat, peak_to_trough=3.0)
+    assert np.all(np.diff(day) >= 0)
+    counts, _ = np.histogram(day, bins=24, range=(0, 86_400))  # arrivals per hour
+    trough = counts[[0, 23]].mean()  # the trough is at t = 0 (and at a day's end)
+    peak = counts[11:13].mean()  # the peak is at noon
+    assert 2.6 < peak / trough < 3.4
+    assert abs(len(day[day < 86_400]) / 86_400 - 2.0) < 0.05  # the same mean rate over a day
