@@ -59,7 +59,7 @@ def main(cfg: DictConfig) -> float | None:
         out = simulate(cfg)
     except UserError as e:
         fail("qllm-sim", str(e))
-    write_outputs(run_dir, out.requests, out.summary)
+    write_outputs(run_dir, out.requests, out.summary, {"replicas": out.timeline})
     ls, be = out.summary["classes"]["LS"], out.summary["classes"]["BE"]
     jobs_per_s = out.summary["throughput"]["jobs_per_s"]
     print(

@@ -64,6 +64,8 @@ class WorkloadConfig:
     ls_fraction: float = 0.2  # each job is LS with this probability
     path: str | None = None  # ShareGPT JSON or trace CSV; null: the packaged data set
     max_output_tokens: int | None = None  # cap on output tokens (max_new_tokens)
+    peak_to_trough: float | None = None  # a daily rate curve: peak rate / trough rate
+    period_s: float = 86_400.0  # the rate curve's period (a day)
     min_tokens: int = 4  # vLLM's ShareGPT filter
     max_prompt_tokens: int = 1024
     max_total_tokens: int = 2048
@@ -95,11 +97,19 @@ class SloConfig:
 
 
 @dataclass
+class ClusterConfig:
+    replicas: int = 1  # each replica: its own scheduler and latency model, one shared clock
+    router: str = "round_robin"  # see sim/cluster.py: ROUTERS
+    ls_replicas: int = 1  # ls_dedicated: how many replicas serve LS requests only
+
+
+@dataclass
 class SimConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     policy: Any = MISSING  # PolicyConfig or a subclass schema from conf/policy
     slo: SloConfig = field(default_factory=SloConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 0
     boundary_mode: str = "lookup"  # lookup (one event per step) | step (every boundary)
     progress: bool = False
@@ -121,6 +131,9 @@ def validate(cfg: Any) -> None:
     else:
         need(w.rate > 0, "workload.rate", w.rate, "must be > 0 (requests per second)")
     need(w.cv > 0, "workload.cv", w.cv, "must be > 0")
+    if w.get("peak_to_trough") is not None:
+        need(w.peak_to_trough >= 1, "workload.peak_to_trough", w.peak_to_trough, "must be >= 1")
+        need(w.period_s > 0, "workload.period_s", w.period_s, "must be > 0 seconds")
     need(0 <= w.ls_fraction <= 1, "workload.ls_fraction", w.ls_fraction, "must be in [0, 1]")
     if w.max_output_tokens is not None:
         need(w.max_output_tokens >= 1, "workload.max_output_tokens", w.max_output_tokens, ">= 1")
@@ -140,6 +153,15 @@ def validate(cfg: Any) -> None:
         "must be >= 1",
     )
     need(slo.ls_ttft_s > 0, "slo.ls_ttft_s", slo.ls_ttft_s, "must be > 0 seconds")
+    if "cluster" in cfg:
+        from sim.cluster import ROUTERS
+
+        c = cfg.cluster
+        need(c.replicas >= 1, "cluster.replicas", c.replicas, "must be >= 1")
+        need(c.router in ROUTERS, "cluster.router", c.router, f"one of {', '.join(ROUTERS)}")
+        if c.router == "ls_dedicated":
+            need(1 <= c.ls_replicas < c.replicas, "cluster.ls_replicas", c.ls_replicas,
+                 "must be in [1, cluster.replicas - 1] for ls_dedicated")  # fmt: skip
     need(
         cfg.boundary_mode in ("lookup", "step"),
         "boundary_mode",

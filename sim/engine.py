@@ -43,6 +43,7 @@ class Simulation:
         mode: str = "lookup",
         record_trace: bool = False,
         on_finish: Callable[[Seq], None] | None = None,
+        env: simpy.Environment | None = None,
     ) -> None:
         if mode not in ("lookup", "step"):
             raise ValueError(f"mode must be lookup or step, not {mode!r}")
@@ -52,8 +53,9 @@ class Simulation:
         self.mode = mode
         self.record_trace = record_trace
         self.on_finish = on_finish
-        self.env = simpy.Environment()
+        self.env = env or simpy.Environment()
         self.events = 0
+        self.busy_s = 0.0  # simulated time the executor spent running batches
         self.sequences: list[Seq] = []
         self.trace: list[tuple] = []
         self._wakeup: simpy.Event | None = None
@@ -68,14 +70,25 @@ class Simulation:
             if delay > 0:
                 yield env.timeout(delay)
                 self.events += 1
-            self.sequences.append(self.sched.arrive(req, env.now))
-            if self._wakeup is not None and not self._wakeup.triggered:
-                self._wakeup.succeed()
-            elif self._interruptible and self.sched.should_preempt():
-                self._interruptible = False
-                self._executor.interrupt()
-                self.events += 1
+            self.admit(req)
+        self.close_arrivals()
+
+    def admit(self, req: Request) -> None:
+        """A request arrives now: queue it, and wake or interrupt the executor if it must act.
+        A cluster's router calls this for the requests it places on this replica."""
+        self.sequences.append(self.sched.arrive(req, self.env.now))
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
+        elif self._interruptible and self.sched.should_preempt():
+            self._interruptible = False
+            self._executor.interrupt()
+            self.events += 1
+
+    def close_arrivals(self) -> None:
+        """No request will arrive any more: an idle executor may finish."""
         self._arrivals_done = True
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
 
     def _executor_loop(self):
         env, sched = self.env, self.sched
@@ -96,6 +109,7 @@ class Simulation:
             start = env.now
             run = self._run_lookup if self.mode == "lookup" else self._run_steps
             preempted = yield from run(batch)
+            self.busy_s += env.now - start
             if self.record_trace:
                 kind = "preempted" if preempted else batch.phase.value
                 self.trace.append((start, env.now, batch.id, kind, batch.size))
@@ -145,16 +159,25 @@ class Simulation:
         return False
 
     # ------------------------------------------------------------------------------------ run
+    def start(self, arrivals: bool = True) -> simpy.Process:
+        """Register the processes (the arrival process only when this simulation replays its
+        own requests) and return the executor's."""
+        if arrivals:
+            self.env.process(self._arrivals())
+        self._executor = self.env.process(self._executor_loop())
+        return self._executor
+
     def run(self) -> SimResult:
         wall = time.perf_counter()
-        self.env.process(self._arrivals())
-        self._executor = self.env.process(self._executor_loop())
-        self.env.run(until=self._executor)
+        self.env.run(until=self.start())
+        return self.result(time.perf_counter() - wall)
+
+    def result(self, wall_s: float) -> SimResult:
         return SimResult(
             sequences=self.sequences,
             makespan_s=self.env.now,
             events=self.events,
-            wall_s=time.perf_counter() - wall,
+            wall_s=wall_s,
             iterations=self.sched.iterations,
             preemptions=self.sched.preemptions,
             peak_kv_used_tokens=self.sched.peak_kv_used_tokens,

@@ -114,12 +114,16 @@ def _met(part: pd.DataFrame, slo_s: float | None) -> int:
     return int((part["ttft_s"] <= slo_s).sum())
 
 
-def write_outputs(run_dir: str | Path, df: pd.DataFrame, summary: dict) -> None:
-    """Write requests.parquet, then summary.json last and atomically: a summary exists only
-    for a run that finished, so a report never reads a half-written one."""
+def write_outputs(run_dir: str | Path, df: pd.DataFrame, summary: dict,
+                  tables: dict[str, pd.DataFrame] | None = None) -> None:  # fmt: skip
+    """Write requests.parquet (and any other ``tables``, as ``<name>.parquet``), then
+    summary.json last and atomically: a summary exists only for a run that finished, so a
+    report never reads a half-written one."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     df.to_parquet(run_dir / "requests.parquet", index=False)
+    for name, table in (tables or {}).items():
+        table.to_parquet(run_dir / f"{name}.parquet", index=False)
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, run_dir / "summary.json")

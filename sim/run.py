@@ -6,13 +6,16 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
+import simpy
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from policies.scheduler import CapacityError, Policy, Scheduler
 from sim import profiles
+from sim.cluster import ROUTERS, Cluster, replica_stats
 from sim.config import UserError, validate
 from sim.engine import SimResult, Simulation
 from sim.latency import LatencyModel, RoutingModel
@@ -25,6 +28,7 @@ class RunOutput:
     requests: pd.DataFrame
     summary: dict
     result: SimResult
+    timeline: pd.DataFrame  # (t_s, replica, in_system) at every arrival and completion
 
 
 def build_policy(cfg: Any) -> Policy:
@@ -64,13 +68,17 @@ def build_scheduler(cfg: Any, profile) -> Scheduler:
     )
 
 
-def build_latency(cfg: Any, profile) -> LatencyModel:
+def build_latency(cfg: Any, profile, replica: int = 0) -> LatencyModel:
+    """The latency model of one replica; replica 0 draws routing from ``cfg.seed`` itself,
+    the others from independent streams derived from it."""
     m = profile.model
+    seed = cfg.seed if replica == 0 else int(np.random.SeedSequence([cfg.seed, replica])
+                                              .generate_state(1)[0])  # fmt: skip
     mode = getattr(cfg.profile.routing, "value", cfg.profile.routing)
     try:
         routing = RoutingModel(m.num_layers, m.num_experts, m.top_k, mode=mode,
                                skew=cfg.profile.routing_skew, expert_load=profile.expert_load,
-                               seed=cfg.seed)  # fmt: skip
+                               seed=seed)  # fmt: skip
     except ValueError as e:
         raise UserError(f"profile.routing={mode}: {e}") from None
     return LatencyModel(profile, routing)
@@ -82,11 +90,21 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
         requests = build_workload(cfg.workload, seed=cfg.seed)
     profile = profiles.load(cfg.profile.name, cfg.profile.path)
     bar = tqdm(total=len(requests), desc="simulating", unit="req") if cfg.progress else None
-    sim = Simulation(requests, build_scheduler(cfg, profile), build_latency(cfg, profile),
-                     mode=cfg.boundary_mode, record_trace=record_trace,
-                     on_finish=(lambda _: bar.update()) if bar else None)  # fmt: skip
+    n = cfg.cluster.replicas if "cluster" in cfg else 1
+    router_name = cfg.cluster.router if "cluster" in cfg else "round_robin"
     try:
-        result = sim.run()
+        router = ROUTERS[router_name](n, cfg.cluster.ls_replicas if "cluster" in cfg else 1)
+    except ValueError as e:
+        raise UserError(f"cluster.router={router_name}: {e}") from None
+    env = simpy.Environment()
+    replicas = [Simulation([], build_scheduler(cfg, profile), build_latency(cfg, profile, i),
+                           mode=cfg.boundary_mode, record_trace=record_trace, env=env)
+                for i in range(n)]  # fmt: skip
+    cluster = Cluster(requests, replicas, router, env,
+                      on_finish=(lambda _: bar.update()) if bar else None)  # fmt: skip
+    try:
+        ran = cluster.run()
+        result = ran.result
     except CapacityError as e:
         raise UserError(f"profile.kv_capacity_tokens: {e}") from None
     finally:
@@ -94,4 +112,8 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
             bar.close()
     df, summary = outputs(result.sequences, result.makespan_s, result.events, result.wall_s,
                           cfg.slo)  # fmt: skip
-    return RunOutput(df, summary, result)
+    df["replica"] = df["id"].map(ran.replica_of).astype("int64")
+    summary["cluster"] = {"replicas": n, "router": router_name,
+                          "per_replica": replica_stats(ran)}  # fmt: skip
+    timeline = pd.DataFrame(ran.timeline, columns=["t_s", "replica", "in_system"])
+    return RunOutput(df, summary, result, timeline)

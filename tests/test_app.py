@@ -41,11 +41,11 @@ def test_run_writes_outputs_with_the_documented_schema(tmp_path):
                  cwd=ROOT)  # fmt: skip
     assert r.returncode == 0, r.stderr
     df = pd.read_parquet(run_dir / "requests.parquet")
-    assert list(df.columns) == REQUEST_COLUMNS
+    assert list(df.columns) == [*REQUEST_COLUMNS, "replica"]
     assert len(df) == 60 and df["finish_s"].notna().all()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary) == {"classes", "throughput", "makespan_s", "arrived", "completed",
-                            "executor"}  # fmt: skip
+                            "executor", "cluster"}  # fmt: skip
     assert set(summary["classes"]) == {"LS", "BE", "all"}
     for part in summary["classes"].values():
         assert set(part) == {"count", "ttft_s", "turnaround_s", "tbt_s", "slo_attainment"}

@@ -1,0 +1,349 @@
+"""``qllm-plan``: capacity planning. For each (policy, router, replica count), the highest arrival
+rate a cluster sustains within the SLO targets, found by bisection over the rate; and, for a
+target rate, the fewest replicas that sustain it.
+
+A rate is *sustained* when, for every seed, a run of ``max(min_requests, rate x horizon_s)``
+arrivals meets every target: LS TTFT p99 <= ``--ls-ttft-p99-s`` and goodput (the fraction of
+requests meeting every SLO that is set) >= ``--goodput``. The search brackets the capacity by
+doubling from ``--rate-lo``, then bisects until the bracket is within ``--rel-tol``; it assumes
+that a cluster that sustains a rate sustains every lower one. All searches advance together:
+the runs of one step (every search's next rate x seeds) go to a pool of processes (``--jobs``),
+or to Ray workers (``--executor ray``; ``RAY_ADDRESS`` picks a cluster, else a local one).
+Evaluations are appended to ``evaluations.csv`` in the output directory as they finish, so an
+interrupted search rerun with the same ``--out`` resumes where it stopped.
+
+Example::
+
+    qllm-plan --replicas 1 2 4 8 --policies iteration qllm --routers least_outstanding \\
+        --target-rate 20 workload=trace workload.path=data/traces/splitwise_conv.csv \\
+        workload.max_output_tokens=null profile=h200-mixtral-bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sim.config import UserError
+
+FIELDS = ["policy", "router", "replicas", "rate", "seed", "num_requests", "setup",
+          "ls_ttft_p99_s", "goodput", "jobs_per_s", "ok"]  # fmt: skip
+
+
+@dataclass
+class Targets:
+    ls_ttft_p99_s: float
+    goodput: float
+
+    def met(self, ls_ttft_p99_s: float | None, goodput: float | None) -> bool:
+        ttft_ok = ls_ttft_p99_s is None or ls_ttft_p99_s <= self.ls_ttft_p99_s
+        return ttft_ok and goodput is not None and goodput >= self.goodput
+
+
+def evaluate(task: tuple) -> dict:
+    """One run: (policy, router, replicas, rate, seed, num_requests, overrides) -> a row."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from sim.app import CONF_DIR
+    from sim.run import simulate
+
+    policy, router, replicas, rate, seed, n, overrides = task
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            *overrides, f"policy={policy}", f"cluster.router={router}",
+            f"cluster.replicas={replicas}", f"workload.rate={rate}", f"seed={seed}",
+            f"workload.num_requests={n}"])  # fmt: skip
+    out = simulate(cfg)
+    classes = out.summary["classes"]
+    ls = classes["LS"]["ttft_s"]["p99"]
+    goodput = classes["all"].get("goodput", classes["all"]["slo_attainment"])
+    return {"policy": policy, "router": router, "replicas": replicas, "rate": rate,
+            "seed": seed, "num_requests": n, "setup": " ".join(overrides),
+            "ls_ttft_p99_s": ls, "goodput": goodput,
+            "jobs_per_s": out.summary["throughput"]["jobs_per_s"]}  # fmt: skip
+
+
+@dataclass
+class Search:
+    """The bisection for one (policy, router, replicas)."""
+
+    policy: str
+    router: str
+    replicas: int
+    lo: float  # sustained (or the first rate to try)
+    rel_tol: float
+    hi: float | None = None  # not sustained
+    lo_ok: bool | None = None  # whether ``lo`` was sustained (None: not yet known)
+    evaluations: int = 0
+    history: list = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        if self.lo_ok is False:
+            return True
+        return self.hi is not None and (self.hi - self.lo) <= self.rel_tol * self.hi
+
+    def next_rate(self) -> float:
+        if self.lo_ok is None:
+            return self.lo
+        if self.hi is None:
+            return self.lo * 2
+        return (self.lo + self.hi) / 2
+
+    def record(self, rate: float, ok: bool) -> None:
+        self.evaluations += 1
+        self.history.append((rate, ok))
+        if self.lo_ok is None:
+            self.lo_ok = ok
+            if not ok:
+                self.hi = rate
+        elif ok:
+            self.lo = rate
+        else:
+            self.hi = rate
+        if self.evaluations > 60:  # a non-monotone response cannot loop forever
+            self.hi = self.lo
+
+    @property
+    def capacity(self) -> float:
+        return self.lo if self.lo_ok else 0.0
+
+
+def num_requests(rate: float, horizon_s: float, min_requests: int) -> int:
+    return max(min_requests, math.ceil(rate * horizon_s))
+
+
+class Evaluations:
+    """evaluations.csv: every finished run, appended as it finishes (resume = reuse)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: dict[tuple, dict] = {}
+        if path.is_file():
+            with path.open() as f:
+                for row in csv.DictReader(f):
+                    self.rows[self.key(row)] = row
+
+    @staticmethod
+    def key(row) -> tuple:
+        return (row["policy"], row["router"], int(row["replicas"]), f"{float(row['rate']):.9g}",
+                int(row["seed"]), int(row["num_requests"]), row["setup"])  # fmt: skip
+
+    def get(self, task: tuple) -> dict | None:
+        policy, router, replicas, rate, seed, n, overrides = task
+        return self.rows.get((policy, router, replicas, f"{rate:.9g}", seed, n,
+                              " ".join(overrides)))  # fmt: skip
+
+    def add(self, row: dict) -> None:
+        new = not self.path.is_file()
+        with self.path.open("a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            if new:
+                w.writeheader()
+            w.writerow(row)
+        self.rows[self.key(row)] = row
+
+
+def _float(x) -> float | None:
+    if x is None or x == "":
+        return None
+    return float(x)
+
+
+def run_searches(searches: list[Search], targets: Targets, seeds: list[int], horizon_s: float,
+                 min_requests: int, overrides: list[str], cache: Evaluations, pool,
+                 progress=None) -> None:  # fmt: skip
+    while True:
+        active = [s for s in searches if not s.done]
+        if not active:
+            return
+        tasks = {}
+        for s in active:
+            rate = s.next_rate()
+            n = num_requests(rate, horizon_s, min_requests)
+            tasks[id(s)] = [(s.policy, s.router, s.replicas, rate, seed, n, tuple(overrides))
+                            for seed in seeds]  # fmt: skip
+        todo = [t for ts in tasks.values() for t in ts if cache.get(t) is None]
+        for row in pool(evaluate, todo):
+            row["ok"] = targets.met(row["ls_ttft_p99_s"], row["goodput"])
+            cache.add(row)
+        for s in active:
+            rows = [cache.get(t) for t in tasks[id(s)]]
+            ok = all(targets.met(_float(r["ls_ttft_p99_s"]), _float(r["goodput"])) for r in rows)
+            s.record(tasks[id(s)][0][3], ok)
+        if progress:
+            progress(searches)
+
+
+def process_pool(jobs: int):
+    if jobs <= 1:
+        return lambda fn, tasks: map(fn, tasks)
+    executor = ProcessPoolExecutor(max_workers=jobs)
+    return lambda fn, tasks: executor.map(fn, tasks)
+
+
+def ray_pool(jobs: int):
+    try:
+        import ray
+        from ray.util.multiprocessing import Pool
+    except ImportError:
+        raise UserError(
+            "--executor ray: ray is not installed (pip install 'ray[default]')"
+        ) from None
+    if not ray.is_initialized():
+        ray.init(num_cpus=jobs if jobs > 0 else None, include_dashboard=False,
+                 log_to_driver=False)  # fmt: skip
+    pool = Pool(processes=jobs if jobs > 0 else None)
+    return lambda fn, tasks: pool.map(fn, list(tasks))
+
+
+def frontier_figure(rows: list[dict], path: Path, target_rate: float | None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    series: dict[tuple, list] = {}
+    for r in rows:
+        series.setdefault((r["policy"], r["router"]), []).append((r["replicas"], r["max_rate"]))
+    for (policy, router), pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{policy}, {router}")
+    if target_rate:
+        ax.axhline(target_rate, color="k", ls="--", lw=1, label=f"target {target_rate:g} req/s")
+    ax.set(xlabel="replicas", ylabel="highest sustained arrival rate (req/s)",
+           title="Capacity frontier (within the SLO targets)")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Compose and validate the base config once, so a bad override fails here in one line."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from sim.app import CONF_DIR
+    from sim.config import validate
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            validate(compose("config", overrides=list(overrides)))
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  (Hydra's many error types: one line each)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{' '.join(overrides)}: {first}") from None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="qllm-plan", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Trailing arguments are qllm-sim overrides (workload=..., "
+                                 "profile=..., slo.ls_ttft_s=...).")  # fmt: skip
+    ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--policies", nargs="+", default=["iteration", "qllm"])
+    ap.add_argument("--routers", nargs="+", default=["least_outstanding"])
+    ap.add_argument("--ls-ttft-p99-s", type=float, default=3.0)
+    ap.add_argument("--goodput", type=float, default=0.99)
+    ap.add_argument("--target-rate", type=float, default=None,
+                    help="also report the fewest replicas that sustain this rate")  # fmt: skip
+    ap.add_argument("--rate-lo", type=float, default=0.25, help="first rate per replica")
+    ap.add_argument("--rel-tol", type=float, default=0.05)
+    ap.add_argument("--horizon-s", type=float, default=300.0)
+    ap.add_argument("--min-requests", type=int, default=200)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--executor", choices=["process", "ray"], default="process")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output directory (default results/plan/<date>_<time>); an existing "
+                    "one resumes its search")  # fmt: skip
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    from sim.cluster import ROUTERS
+
+    problems = [f"--routers {r}: unknown router; choose from {', '.join(ROUTERS)}"
+                for r in args.routers if r not in ROUTERS]  # fmt: skip
+    problems += [f"--replicas {n}: must be >= 1" for n in args.replicas if n < 1]
+    if not 0 < args.goodput <= 1:
+        problems.append(f"--goodput {args.goodput}: must be in (0, 1]")
+    if args.rate_lo <= 0 or args.rel_tol <= 0 or args.horizon_s <= 0:
+        problems.append("--rate-lo, --rel-tol and --horizon-s must be > 0")
+    if problems:
+        print(f"qllm-plan: error: {problems[0]}", file=sys.stderr)
+        return 2
+    try:
+        check_overrides(args.overrides)
+    except UserError as e:
+        print(f"qllm-plan: error: {e}", file=sys.stderr)
+        return 2
+    out = args.out or Path("results/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
+    out.mkdir(parents=True, exist_ok=True)
+    cache = Evaluations(out / "evaluations.csv")
+    targets = Targets(args.ls_ttft_p99_s, args.goodput)
+    searches = [Search(p, r, n, args.rate_lo * n, args.rel_tol)
+                for p in args.policies for r in args.routers for n in sorted(args.replicas)
+                if not (r == "ls_dedicated" and n < 2)]  # fmt: skip
+    pool = ray_pool(args.jobs) if args.executor == "ray" else process_pool(args.jobs)
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(searches), desc="searching", unit="search")
+
+    def progress(ss):
+        bar.n = sum(s.done for s in ss)
+        bar.refresh()
+
+    start = time.perf_counter()
+    try:
+        run_searches(searches, targets, args.seeds, args.horizon_s, args.min_requests,
+                     args.overrides, cache, pool, progress)  # fmt: skip
+    except UserError as e:
+        print(f"qllm-plan: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"qllm-plan: interrupted; {len(cache.rows)} runs kept in {out}/evaluations.csv; "
+              f"resume with the same command and --out {out}", file=sys.stderr)  # fmt: skip
+        return 130
+    bar.close()
+    rows = [{"policy": s.policy, "router": s.router, "replicas": s.replicas,
+             "max_rate": s.capacity, "max_rate_per_replica": s.capacity / s.replicas,
+             "bracket_hi": s.hi, "evaluations": s.evaluations} for s in searches]  # fmt: skip
+    with (out / "plan.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    frontier_figure(rows, out / "frontier.png", args.target_rate)
+    print(f"{'policy':>10s} {'router':>18s} {'replicas':>8s} {'max req/s':>10s}")
+    for r in rows:
+        print(f"{r['policy']:>10s} {r['router']:>18s} {r['replicas']:>8d} {r['max_rate']:>10.3f}")
+    if args.target_rate:
+        print(f"\nfewest replicas for {args.target_rate:g} req/s:")
+        for p, rt in dict.fromkeys((r["policy"], r["router"]) for r in rows):
+            ok = [r["replicas"] for r in rows if r["policy"] == p and r["router"] == rt
+                  and r["max_rate"] >= args.target_rate]  # fmt: skip
+            print(f"  {p}, {rt}: {min(ok) if ok else f'more than {max(args.replicas)}'}")
+    print(f"\n{len(cache.rows)} runs in {time.perf_counter() - start:.0f} s -> {out}/plan.csv, "
+          "frontier.png, evaluations.csv")  # fmt: skip
+    return 0
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,160 @@
+"""Replicas and routers on one clock (sim/cluster.py)."""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+import simpy
+from conftest import linear_profile
+
+from policies import Request, Scheduler
+from policies.iteration import IterationFCFS
+from policies.qllm import QLLM
+from sim.cluster import ROUTERS, Cluster, LSDedicated, replica_stats
+from sim.engine import Simulation
+from sim.latency import LatencyModel, RoutingModel
+from sim.metrics import requests_frame
+
+
+def requests(n=80, rate=40.0, seed=3, ls_fraction=0.3):
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1 / rate, n))
+    return [Request(i, "LS" if rng.random() < ls_fraction else "BE", float(t[i]),
+                    int(rng.integers(1, 300)), int(rng.integers(1, 40)))
+            for i in range(n)]  # fmt: skip
+
+
+def replica(profile, policy, env=None, seed=0, mode="lookup", reqs=()):
+    m = profile.model
+    latency = LatencyModel(profile, RoutingModel(m.num_layers, m.num_experts, m.top_k,
+                                                 seed=seed))  # fmt: skip
+    sched = Scheduler(policy, kv_capacity_tokens=1_000_000, activation_tokens_per_token=0.125)
+    return Simulation(list(reqs), sched, latency, mode=mode, env=env)
+
+
+def cluster(reqs, n, router, policy=QLLM, mode="lookup", ls_replicas=1):
+    profile, env = linear_profile(), simpy.Environment()
+    reps = [replica(profile, policy(), env, seed=i, mode=mode) for i in range(n)]
+    return Cluster(reqs, reps, ROUTERS[router](n, ls_replicas), env).run()
+
+
+@pytest.mark.parametrize("mode", ["lookup", "step"])
+@pytest.mark.parametrize("policy", [IterationFCFS, QLLM])
+def test_one_replica_is_exactly_a_lone_simulation(mode, policy):
+    reqs = requests()
+    alone = replica(linear_profile(), policy(), mode=mode, reqs=reqs).run()
+    one = cluster(reqs, 1, "least_outstanding", policy, mode)
+    a, b = requests_frame(alone.sequences), requests_frame(one.result.sequences)
+    assert alone.preemptions == one.result.preemptions
+    if policy is QLLM:
+        assert alone.preemptions > 0  # the comparison covers preempted batches
+    assert a.equals(b)
+    assert alone.makespan_s == one.result.makespan_s
+
+
+def test_round_robin_and_ls_dedicated_place_requests_as_documented():
+    reqs = requests(n=60)
+    rr = cluster(reqs, 3, "round_robin")
+    assert [rr.replica_of[r.id] for r in reqs] == [i % 3 for i in range(60)]
+    ded = cluster(reqs, 3, "ls_dedicated", ls_replicas=1)
+    for r in reqs:
+        assert (ded.replica_of[r.id] == 0) == (r.cls == "LS")
+
+
+def test_ls_dedicated_needs_a_replica_on_each_side():
+    with pytest.raises(ValueError, match="ls_replicas"):
+        LSDedicated(2, ls_replicas=2)
+
+
+def test_least_outstanding_balances_a_burst():
+    burst = [Request(i, "BE", 0.0, 64, 200) for i in range(12)]  # all arrive together
+    out = cluster(burst, 4, "least_outstanding")
+    counts = np.bincount(list(out.replica_of.values()), minlength=4)
+    assert counts.tolist() == [3, 3, 3, 3]
+
+
+def test_least_kv_counts_waiting_reservations():
+    # two long requests fill replica 0's KV reservations while it is busy: the next go elsewhere
+    reqs = [Request(0, "BE", 0.0, 2000, 2000), Request(1, "BE", 0.0, 10, 10),
+            Request(2, "BE", 0.0, 10, 10)]  # fmt: skip
+    out = cluster(reqs, 2, "least_kv")
+    assert out.replica_of[0] != out.replica_of[1]
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_every_request_completes_on_every_router(router):
+    reqs = requests(n=120, rate=200.0)
+    out = cluster(reqs, 3, router, ls_replicas=1)
+    done = requests_frame(out.result.sequences)
+    assert len(done) == 120 and done["finish_s"].notna().all()
+    stats = replica_stats(out)
+    assert sum(s["requests"] for s in stats) == 120
+    assert all(0 < s["utilization"] <= 1 for s in stats)
+
+
+def test_more_replicas_drain_an_overload_faster():
+    reqs = requests(n=200, rate=2000.0)  # far beyond one replica's capacity
+    one = cluster(reqs, 1, "least_outstanding").result.makespan_s
+    four = cluster(reqs, 4, "least_outstanding").result.makespan_s
+    assert four < one / 2.5
+
+
+# ------------------------------------------------------------------------------ qllm-plan
+def test_bisection_finds_a_monotone_capacity_within_tolerance():
+    from sim.plan import Search
+
+    s = Search("qllm", "round_robin", 1, lo=0.5, rel_tol=0.02)
+    while not s.done:
+        rate = s.next_rate()
+        s.record(rate, rate <= 7.3)
+    assert 7.3 * 0.98 <= s.capacity <= 7.3
+    low = Search("qllm", "round_robin", 1, lo=0.5, rel_tol=0.02)
+    low.record(low.next_rate(), False)
+    assert low.done and low.capacity == 0.0
+
+
+def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monkeypatch):
+    import sim.plan as plan
+
+    args = ["--replicas", "1", "2", "--policies", "qllm", "--rate-lo", "0.5",
+            "--rel-tol", "0.1", "--horizon-s", "40", "--min-requests", "40", "--jobs", "1",
+            "--goodput", "0.9", "--out", str(tmp_path), "workload=synthetic",
+            "workload.output.tokens=16", "workload.prompt.tokens=64"]  # fmt: skip
+    assert plan.main(args) == 0
+    rows = list(csv.DictReader((tmp_path / "plan.csv").open()))
+    cap = {int(r["replicas"]): float(r["max_rate"]) for r in rows}
+    assert cap[1] > 0 and cap[2] > 1.5 * cap[1]
+    assert (tmp_path / "frontier.png").is_file()
+    runs = len(list(csv.DictReader((tmp_path / "evaluations.csv").open())))
+
+    def no_new_runs(task):
+        raise AssertionError(f"resumed search ran {task}")
+
+    monkeypatch.setattr(plan, "evaluate", no_new_runs)
+    assert plan.main(args) == 0  # every evaluation is reused
+    assert len(list(csv.DictReader((tmp_path / "evaluations.csv").open()))) == runs
+
+
+def test_plan_refuses_a_bad_override_in_one_line(tmp_path, capsys):
+    import sim.plan as plan
+
+    assert plan.main(["--out", str(tmp_path), "workload.rate=-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qllm-plan: error:")
+
+
+# ------------------------------------------------------------------------- day-scale arrivals
+def test_diurnal_rate_curve_has_the_asked_peak_to_trough_and_keeps_the_mean():
+    from sim.workloads import arrivals
+
+    rng = np.random.default_rng(0)
+    flat = arrivals.poisson(200_000, 2.0, rng)  # ~100,000 s: more than a day
+    day = arrivals.diurnal(flat, peak_to_trough=3.0)
+    assert np.all(np.diff(day) >= 0)
+    counts, _ = np.histogram(day, bins=24, range=(0, 86_400))  # arrivals per hour
+    trough = counts[[0, 23]].mean()  # the trough is at t = 0 (and at a day's end)
+    peak = counts[11:13].mean()  # the peak is at noon
+    assert 2.6 < peak / trough < 3.4
+    assert abs(len(day[day < 86_400]) / 86_400 - 2.0) < 0.05  # the same mean rate over a day
