@@ -56,8 +56,9 @@ def test_iteration_join_rules_follow_tgi_router():
     assert b.phase is Phase.PREFILL and ids(b) == [5, 6, 7, 8, 9, 10]
     s.arrive(req(11, out=50), 0)
     phases = [step(s).phase for _ in range(4)]
-    # 1 waiting < floor(11 * 1.2): joins only after max_waiting_tokens = 3 decode steps
-    assert phases == [Phase.DECODE] * 3 + [Phase.PREFILL]
+    # 1 waiting < floor(11 * 1.2): joins only once TGI's counter (1 after the prefill, +1 per
+    # decode) reaches max_waiting_tokens = 3, i.e. after 2 decode steps
+    assert phases == [Phase.DECODE] * 2 + [Phase.PREFILL, Phase.DECODE]
 
 
 def test_iteration_prefill_respects_token_budget_and_batch_size():
