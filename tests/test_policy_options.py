@@ -319,3 +319,40 @@ def test_simulator_preempts_at_router_boundaries_only_and_lookup_equals_stepping
         runs.append(np.array([(q.id, q.first_token_s, q.finish_s, q.preemptions)
                               for q in r.sequences]))  # fmt: skip
     np.testing.assert_allclose(runs[0], runs[1], rtol=1e-9, atol=1e-9)
+
+
+def test_real_engine_preempts_at_router_boundaries_only_and_generates_greedy_tokens():
+    torch = pytest.importorskip("torch")
+    from profiler.models import build_model
+    from profiler.ops import ModelRunner
+    from realrun.clock import VirtualClock
+    from realrun.engine import RealEngine
+    from realrun.prompts import build_prompts
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
+                               dtype="float64", seed=3)  # fmt: skip
+        runner = ModelRunner(model)
+        be = [req(i, BE, t=0.01 * i, prompt=3 + (7 * i) % 37, out=6 + i % 7) for i in range(12)]
+        ls = [req(12 + j, LS, t=0.15 + 0.133 * j, prompt=2 + (5 * j) % 23, out=1 + j % 3)
+              for j in range(10)]  # fmt: skip
+        requests, prompts = build_prompts(be + ls, 512, max_prompt_tokens=64, seed=0)
+        sched = RecordingScheduler(
+            QLLM(max_batch_size=6, preempt_prefill=False),
+            kv_capacity_tokens=100_000,
+            activation_tokens_per_token=1.0,
+        )
+        result = RealEngine(requests, prompts, sched, runner, VirtualClock(1e-3)).run()
+        for r in requests:
+            expected = model.generate(
+                torch.tensor([prompts[r.id]]), do_sample=False, max_new_tokens=r.output_tokens
+            )[0, r.prompt_tokens :]
+            assert result.tokens[r.id] == expected.tolist()
+    finally:
+        torch.set_num_threads(threads)
+    assert result.preemptions > 0
+    assert all(phase == "decode" for _, phase in sched.cursors)
+    where = [runner.locate(c) for c, _ in sched.cursors]
+    assert all(ref.stage == "expert" and ref.expert == 0 for ref in where)  # after a router
