@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policies import Phase, Request, Scheduler
+from policies.alg1 import Algorithm1
 from policies.fcfs import FCFS
 from policies.iteration import IterationFCFS
 from policies.layer import LayerPreemptive
@@ -84,7 +85,7 @@ def test_priority_admits_ls_first_but_never_preempts():
     assert b.phase is Phase.DECODE and ids(b) == [2, 0]
 
 
-@pytest.mark.parametrize("policy_cls", [LayerPreemptive, QLLM])
+@pytest.mark.parametrize("policy_cls", [Algorithm1, LayerPreemptive, QLLM])
 def test_algorithm1_batch_order(policy_cls):
     s = Scheduler(policy_cls(max_batch_size=3), kv_capacity_tokens=10_000)
     for i, c in enumerate(["BE", "BE", "BE", "LS"]):
