@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 
 from policies.core import BE, LS, Batch, Granularity, Sequence
-from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch
+from policies.scheduler import Policy, Scheduler, cap, decode_batch, prefill_batch
 
 
 class Algorithm1(Policy):
@@ -59,13 +58,13 @@ class Algorithm1(Policy):
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
-        if max_in_flight is not None and max_in_flight < 1:
-            raise ValueError("max_in_flight must be >= 1 or null (no cap)")
-        if be_max_wait_s is not None and be_max_wait_s < 0:
-            raise ValueError("be_max_wait_s must be >= 0 or null (off)")
+        if be_max_wait_s is not None and not (
+            isinstance(be_max_wait_s, (int, float)) and be_max_wait_s >= 0
+        ):
+            raise ValueError(f"be_max_wait_s={be_max_wait_s}: must be >= 0 seconds, or null (off)")
         self.refill_be = refill_be
         self.fill_be_prefill = fill_be_prefill
-        self.max_in_flight = math.inf if max_in_flight is None else max_in_flight
+        self.max_in_flight = cap("max_in_flight", max_in_flight)
         self.be_max_wait_s = be_max_wait_s
         self.last_token_s: dict[int, float] = {}  # unfinished sequence id -> its last token
         self.promoted: set[int] = set()  # overdue BE ids served as LS until their next token

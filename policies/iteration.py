@@ -32,7 +32,14 @@ from __future__ import annotations
 import math
 
 from policies.core import Batch, Granularity, Phase
-from policies.scheduler import CapacityError, Policy, Scheduler, decode_batch, prefill_batch
+from policies.scheduler import (
+    CapacityError,
+    Policy,
+    Scheduler,
+    cap,
+    decode_batch,
+    prefill_batch,
+)
 
 
 class IterationFCFS(Policy):
@@ -49,13 +56,9 @@ class IterationFCFS(Policy):
         super().__init__(**kwargs)
         if max_waiting_tokens < 1 or waiting_served_ratio < 0:
             raise ValueError("max_waiting_tokens must be >= 1 and waiting_served_ratio >= 0")
-        if max_batch_total_tokens is not None and max_batch_total_tokens < 1:
-            raise ValueError("max_batch_total_tokens must be >= 1 or null (no cap)")
         self.max_waiting_tokens = max_waiting_tokens
         self.waiting_served_ratio = waiting_served_ratio
-        self.max_batch_total_tokens = (
-            math.inf if max_batch_total_tokens is None else max_batch_total_tokens
-        )
+        self.max_batch_total_tokens = cap("max_batch_total_tokens", max_batch_total_tokens)
         self.waiting_tokens = 1  # TGI's counter: 1 after a prefill, +1 per decode step
         self.decode_next = False  # a join was just prefilled: the merged batch decodes first
 

@@ -34,6 +34,16 @@ class CapacityError(ValueError):
     """A request can never fit in the KV cache."""
 
 
+def cap(key: str, value: int | None) -> float:
+    """A limit given as an integer >= 1, or None for none; None becomes infinity, so the
+    policies' arithmetic (room = cap - used) needs no special case."""
+    if value is None:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={value}: must be an integer >= 1, or null for no cap")
+    return value
+
+
 class Policy:
     """Base class of scheduling policies. Subclasses override ``select``.
 
@@ -47,13 +57,10 @@ class Policy:
     def __init__(
         self, max_batch_size: int | None = 32, max_batch_prefill_tokens: int = 4096
     ) -> None:
-        if max_batch_size is not None and max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1 or null (no cap)")
         if max_batch_prefill_tokens < 1:
             raise ValueError("max_batch_prefill_tokens must be >= 1")
-        # None (TGI's default: no cap, memory bounds the batch) is kept as infinity, so the
-        # policies' arithmetic (room = cap - running) needs no special case.
-        self.max_batch_size = math.inf if max_batch_size is None else max_batch_size
+        # None (TGI's default: no cap, memory bounds the batch) is kept as infinity
+        self.max_batch_size = cap("max_batch_size", max_batch_size)
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
 
     def select(self, s: Scheduler, now: float) -> Batch | None:

@@ -20,7 +20,7 @@ from policies.layer import LayerPreemptive
 from policies.qllm import QLLM
 from policies.scheduler import CapacityError
 from sim.app import CONF_DIR
-from sim.config import validate
+from sim.config import UserError, validate
 from sim.engine import Simulation
 from sim.latency import LatencyModel, RoutingModel, preemptible_boundaries
 from sim.run import build_policy
@@ -178,6 +178,23 @@ def test_every_policy_option_is_a_key_of_its_config_file():
             if "__init__" in klass.__dict__:
                 options |= set(inspect.signature(klass.__init__).parameters)
         assert options - {"self", "kwargs"} <= set(cfg), path.name
+
+
+@pytest.mark.parametrize(
+    "name,key,value",
+    [
+        ("qllm", "max_in_flight", 0),
+        ("alg1", "max_in_flight", "abc"),
+        ("layer", "be_max_wait_s", -1),
+        ("tgi-0.3", "max_batch_total_tokens", 0),
+        ("priority", "max_batch_size", 0),
+    ],
+)
+def test_bad_option_values_fail_in_one_line_naming_the_key(name, key, value):
+    cfg = OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml")
+    cfg[key] = value
+    with pytest.raises(UserError, match=f"^policy={name}: {key}={value}: must"):
+        build_policy(cfg)
 
 
 # -------------------------------------------------------------------------- Algorithm 1
