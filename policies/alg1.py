@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Collection
 
 from policies.core import BE, LS, Batch, Granularity, Sequence
 from policies.scheduler import Policy, Scheduler, cap, decode_batch, prefill_batch
@@ -75,7 +76,7 @@ class Algorithm1(Policy):
         slots = self.max_in_flight - self.in_flight(s)
         ls_waiting, ls_ready = self._ls_queues(s, now)
         if len(ls_ready) >= size:
-            return self._decode(s, ls_ready[:size], size)
+            return self._decode(s, list(itertools.islice(ls_ready, size)), size)
         if ls_waiting and slots > 0:
             ls = s.take_prefill(ls_waiting, min(size, slots), budget)
             if ls:
@@ -91,7 +92,7 @@ class Algorithm1(Policy):
             self._promote(overdue[0].sequences)
             return overdue[0]
         if ls_ready:
-            return self._decode(s, ls_ready, size)
+            return self._decode(s, list(ls_ready), size)
         if s.suspended:
             return s.suspended[0]
         room = min(size - len(s.ready[BE]), slots)
@@ -106,12 +107,12 @@ class Algorithm1(Policy):
         n = sum(len(q) for q in s.ready.values()) + sum(b.size for b in s.suspended)
         return n + (s.running.size if s.running is not None else 0)
 
-    def _ls_queues(self, s: Scheduler, now: float) -> tuple[list[Sequence], list[Sequence]]:
+    def _ls_queues(self, s: Scheduler, now: float) -> tuple[Collection[Sequence], ...]:
         """The LS-prefill and LS-decode queues, with overdue BE jobs merged in when the
         starvation guard is on. Overdue BE jobs are a prefix of each BE queue: the prefill
         queue is in arrival order and the decode queue in the order tokens were produced."""
         if self.be_max_wait_s is None:
-            return list(s.waiting[LS]), list(s.ready[LS])
+            return s.waiting[LS], s.ready[LS]
         late_waiting = itertools.takewhile(lambda q: self._overdue([q], now), s.waiting[BE])
         late_ready = itertools.takewhile(lambda q: self._overdue([q], now), s.ready[BE])
         waiting = heapq.merge(s.waiting[LS], late_waiting, key=self._waiting_since)
