@@ -1,8 +1,8 @@
 """Iteration-level FCFS with continuous batching, as HF TGI's router does it.
 
-Follows TGI's ``batching_task`` (router/src/infer.rs in v1.x-v2.0, backends/v3/src/backend.rs
-since v3; the rules below are unchanged across them, read at v2.0.1 and v3.3.7) for a model
-without prefill chunking:
+Follows TGI's ``batching_task`` for a model without prefill chunking: router/src/infer.rs in
+v1.4.5 and v2.0.1, backends/v3/src/backend.rs in v3.3.7 (the last release); the rules below are
+the same in all three:
 
 - All sequences that have a token decode together in one running batch. Waiting requests join
   only through a prefill iteration that pauses decoding.
