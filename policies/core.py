@@ -21,8 +21,9 @@ class Granularity(enum.IntEnum):
 
     REQUEST = 0  # a batch runs until all its sequences finish (static batching)
     ITERATION = 1  # decisions between iterations only (Orca, vLLM, TGI)
-    LAYER = 2  # also after each attention and router stage and at each layer's end
-    EXPERT = 3  # also after every expert (per-expert queues, QLLM)
+    ROUTER = 2  # after each layer's router, before its experts (the authors' public code)
+    LAYER = 3  # also after each attention and router stage and at each layer's end
+    EXPERT = 4  # also after every expert (per-expert queues, QLLM)
 
 
 class Phase(enum.Enum):

@@ -1,22 +1,45 @@
 """Iteration-level FCFS with continuous batching, as HF TGI's router does it.
 
-All sequences that have a token decode together in one running batch. Waiting requests join
-only through a prefill iteration that pauses decoding, and TGI's router allows one only when
-(a) at least floor(batch size x ``waiting_served_ratio``) requests could join, or
-(b) ``max_waiting_tokens`` decode steps have passed since the last join, or the batch is empty.
-A prefill holds at most ``max_batch_prefill_tokens`` prompt tokens and the batch at most
-``max_batch_size`` sequences. Scheduling is class-blind (FIFO by arrival).
+Follows TGI's ``batching_task`` for a model without prefill chunking: router/src/infer.rs in
+v1.4.5 and v2.0.1, backends/v3/src/backend.rs in v3.3.7 (the last release); the rules below are
+the same in all three:
 
-Memory: each joining request reserves prompt + output tokens (TGI's max_batch_total_tokens
-check); requests that do not fit wait, in order, until running ones finish.
+- All sequences that have a token decode together in one running batch. Waiting requests join
+  only through a prefill iteration that pauses decoding.
+- TGI's counter ``waiting_tokens`` is set to 1 by every prefill and grows by 1 with every
+  decode step. Before each decode step the router tries a join: any number of waiting requests
+  may join once ``waiting_tokens >= max_waiting_tokens`` (with the default 20: after 19 decode
+  steps), otherwise only when at least floor(running x ``waiting_served_ratio``) requests fit.
+- After a join the merged batch decodes once before the next try (TGI's loop decodes right
+  after a join); after a prefill into an empty batch the router tries a join at once.
+- A prefill holds at most ``max_batch_prefill_tokens`` prompt tokens; the batch holds at most
+  ``max_batch_size`` sequences (null: no cap, TGI's default) and reserves at most
+  ``max_batch_total_tokens`` KV tokens, prompt + output of every member (null: only the KV
+  cache's capacity bounds it, as when TGI infers the figure from free memory).
+
+``waiting_served_ratio`` defaults to 1.2, TGI's default up to v2.0.1; TGI v2.0.2 (pull request
+#1820, April 2024) lowered it to 0.3: ``conf/policy/iteration.yaml`` is the former,
+``conf/policy/tgi-0.3.yaml`` the latter. TGI v3 ignores both join rules for models that
+support prefill chunking; that reading is not modelled. Scheduling is class-blind (FIFO by
+arrival).
+
+Memory: each joining request reserves prompt + output tokens; requests that do not fit wait,
+in order, until running ones finish.
 """
 
 from __future__ import annotations
 
 import math
 
-from policies.core import Batch, Granularity
-from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch
+from policies.core import Batch, Granularity, Phase
+from policies.scheduler import (
+    CapacityError,
+    Policy,
+    Scheduler,
+    cap,
+    decode_batch,
+    prefill_batch,
+)
 
 
 class IterationFCFS(Policy):
@@ -24,33 +47,57 @@ class IterationFCFS(Policy):
     granularity = Granularity.ITERATION
 
     def __init__(
-        self, max_waiting_tokens: int = 20, waiting_served_ratio: float = 1.2, **kwargs
+        self,
+        max_waiting_tokens: int = 20,
+        waiting_served_ratio: float = 1.2,
+        max_batch_total_tokens: int | None = None,
+        **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         if max_waiting_tokens < 1 or waiting_served_ratio < 0:
             raise ValueError("max_waiting_tokens must be >= 1 and waiting_served_ratio >= 0")
         self.max_waiting_tokens = max_waiting_tokens
         self.waiting_served_ratio = waiting_served_ratio
-        self.steps_since_join = 0
+        self.max_batch_total_tokens = cap("max_batch_total_tokens", max_batch_total_tokens)
+        self.waiting_tokens = 1  # TGI's counter: 1 after a prefill, +1 per decode step
+        self.decode_next = False  # a join was just prefilled: the merged batch decodes first
 
     def select(self, s: Scheduler, now: float) -> Batch | None:
-        running = sum(len(q) for q in s.ready.values())
-        room = self.max_batch_size - running
-        if room > 0 and (s.waiting["LS"] or s.waiting["BE"]):
-            if running == 0 or self.steps_since_join >= self.max_waiting_tokens:
-                min_size = 1
-            else:
-                min_size = max(1, math.floor(running * self.waiting_served_ratio))
-            budget = self.max_batch_prefill_tokens
-            if len(s.take_prefill(s.waiting_fifo(), room, budget, dry_run=True)) >= min_size:
-                self.steps_since_join = 0
-                return prefill_batch(s.take_prefill(s.waiting_fifo(), room, budget))
-        seqs = sorted(s.take_ready("LS", running) + s.take_ready("BE", running), key=_age)
+        running = [q for c in s.ready for q in s.ready[c]]
+        if (s.waiting["LS"] or s.waiting["BE"]) and not (running and self.decode_next):
+            joined = self._join(s, running)
+            if joined is not None:
+                self.decode_next = bool(running)
+                return joined
+        self.decode_next = False
+        seqs = sorted(s.take_ready("LS", len(running)) + s.take_ready("BE", len(running)), key=_age)
         return decode_batch(seqs)
 
+    def _join(self, s: Scheduler, running: list) -> Batch | None:
+        """TGI's ``queue.next_batch(min_size, max_size, prefill budget, token budget)``."""
+        room = self.max_batch_size - len(running)
+        if room <= 0:
+            return None
+        if not running or self.waiting_tokens >= self.max_waiting_tokens:
+            min_size = 1
+        else:
+            min_size = max(1, math.floor(len(running) * self.waiting_served_ratio))
+        budget = self.max_batch_total_tokens - sum(q.reserved_tokens for q in running)
+        args = (room, self.max_batch_prefill_tokens)
+        admitted = s.take_prefill(s.waiting_fifo(), *args, dry_run=True, max_reserved_tokens=budget)
+        if not running and not admitted:
+            head = next(s.waiting_fifo())
+            if head.reserved_tokens > self.max_batch_total_tokens:  # TGI refuses it on arrival
+                raise CapacityError(
+                    f"request {head.id} needs {head.reserved_tokens} KV tokens, more than "
+                    f"policy.max_batch_total_tokens={self.max_batch_total_tokens}"
+                )
+        if len(admitted) < min_size:
+            return None
+        return prefill_batch(s.take_prefill(s.waiting_fifo(), *args, max_reserved_tokens=budget))
+
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
-        if batch.phase.value == "decode":
-            self.steps_since_join += 1
+        self.waiting_tokens = 1 if batch.phase is Phase.PREFILL else self.waiting_tokens + 1
 
 
 def _age(seq) -> tuple[float, int]:

@@ -34,6 +34,16 @@ class CapacityError(ValueError):
     """A request can never fit in the KV cache."""
 
 
+def cap(key: str, value: int | None) -> float:
+    """A limit given as an integer >= 1, or None for none; None becomes infinity, so the
+    policies' arithmetic (room = cap - used) needs no special case."""
+    if value is None:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={value}: must be an integer >= 1, or null for no cap")
+    return value
+
+
 class Policy:
     """Base class of scheduling policies. Subclasses override ``select``.
 
@@ -44,12 +54,13 @@ class Policy:
     name = "base"
     granularity = Granularity.ITERATION
 
-    def __init__(self, max_batch_size: int = 32, max_batch_prefill_tokens: int = 4096) -> None:
-        if max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
+    def __init__(
+        self, max_batch_size: int | None = 32, max_batch_prefill_tokens: int = 4096
+    ) -> None:
         if max_batch_prefill_tokens < 1:
             raise ValueError("max_batch_prefill_tokens must be >= 1")
-        self.max_batch_size = max_batch_size
+        # None (TGI's default: no cap, memory bounds the batch) is kept as infinity
+        self.max_batch_size = cap("max_batch_size", max_batch_size)
         self.max_batch_prefill_tokens = max_batch_prefill_tokens
 
     def select(self, s: Scheduler, now: float) -> Batch | None:
@@ -182,11 +193,14 @@ class Scheduler:
         token_budget: int,
         dry_run: bool = False,
         alone_if_oversized: bool = True,
+        max_reserved_tokens: float = math.inf,
     ) -> list[Sequence]:
         """Admit candidates in order while the batch size, the prefill token budget and the KV
         cache allow; stop at the first that does not fit (no overtaking). A single prompt larger
         than the budget is admitted alone (unless ``alone_if_oversized`` is False, for filling a
-        batch that has other members), so it cannot block its queue forever."""
+        batch that has other members), so it cannot block its queue forever.
+        ``max_reserved_tokens`` caps the KV the admitted reserve together (a policy's own token
+        budget, such as TGI's max_batch_total_tokens, below the cache's capacity)."""
         taken: list[Sequence] = []
         tokens = 0
         reserved = 0
@@ -196,7 +210,8 @@ class Scheduler:
             n = seq.request.prompt_tokens
             if tokens + n > token_budget and (taken or not alone_if_oversized):
                 break
-            if not self.fits(reserved + seq.reserved_tokens):
+            need = reserved + seq.reserved_tokens
+            if need > max_reserved_tokens or not self.fits(need):
                 break
             taken.append(seq)
             tokens += n

@@ -86,7 +86,7 @@ class ProfileConfig:
 class PolicyConfig:
     _target_: str = MISSING
     name: str = MISSING
-    max_batch_size: int = 32
+    max_batch_size: int | None = 32  # null: no cap (TGI's default)
     max_batch_prefill_tokens: int = 4096
 
 
@@ -145,7 +145,12 @@ def validate(cfg: Any) -> None:
     if p.kv_capacity_tokens is not None:
         need(p.kv_capacity_tokens >= 1, "profile.kv_capacity_tokens", p.kv_capacity_tokens, ">= 1")
     need(p.routing_skew >= 0, "profile.routing_skew", p.routing_skew, "must be >= 0")
-    need(pol.max_batch_size >= 1, "policy.max_batch_size", pol.max_batch_size, "must be >= 1")
+    need(
+        pol.max_batch_size is None or pol.max_batch_size >= 1,
+        "policy.max_batch_size",
+        pol.max_batch_size,
+        "must be >= 1, or null for no cap",
+    )
     need(
         pol.max_batch_prefill_tokens >= 1,
         "policy.max_batch_prefill_tokens",

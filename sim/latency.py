@@ -228,6 +228,8 @@ def preemptible_boundaries(
     if key not in _boundary_cache:
         if granularity <= Granularity.ITERATION:
             out: list[int] = []
+        elif granularity == Granularity.ROUTER:  # after router l = layer l's start + 2
+            out = [3 + layer * stages_per_layer for layer in range(num_layers)]
         elif granularity == Granularity.LAYER:
             out = []
             for layer in range(num_layers):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policies import Phase, Request, Scheduler
+from policies.alg1 import Algorithm1
 from policies.fcfs import FCFS
 from policies.iteration import IterationFCFS
 from policies.layer import LayerPreemptive
@@ -56,8 +57,9 @@ def test_iteration_join_rules_follow_tgi_router():
     assert b.phase is Phase.PREFILL and ids(b) == [5, 6, 7, 8, 9, 10]
     s.arrive(req(11, out=50), 0)
     phases = [step(s).phase for _ in range(4)]
-    # 1 waiting < floor(11 * 1.2): joins only after max_waiting_tokens = 3 decode steps
-    assert phases == [Phase.DECODE] * 3 + [Phase.PREFILL]
+    # 1 waiting < floor(11 * 1.2): joins only once TGI's counter (1 after the prefill, +1 per
+    # decode) reaches max_waiting_tokens = 3, i.e. after 2 decode steps
+    assert phases == [Phase.DECODE] * 2 + [Phase.PREFILL, Phase.DECODE]
 
 
 def test_iteration_prefill_respects_token_budget_and_batch_size():
@@ -83,7 +85,7 @@ def test_priority_admits_ls_first_but_never_preempts():
     assert b.phase is Phase.DECODE and ids(b) == [2, 0]
 
 
-@pytest.mark.parametrize("policy_cls", [LayerPreemptive, QLLM])
+@pytest.mark.parametrize("policy_cls", [Algorithm1, LayerPreemptive, QLLM])
 def test_algorithm1_batch_order(policy_cls):
     s = Scheduler(policy_cls(max_batch_size=3), kv_capacity_tokens=10_000)
     for i, c in enumerate(["BE", "BE", "BE", "LS"]):

@@ -27,7 +27,7 @@ from sim.app import CONF_DIR
 from sim.metrics import REQUEST_COLUMNS
 from sim.run import build_policy
 
-POLICIES = ("fcfs", "iteration", "priority", "layer", "qllm")
+POLICIES = ("fcfs", "iteration", "priority", "alg1", "layer", "qllm")
 STAGE_S = 1e-3  # virtual time per stage: an iteration of tiny-mixtral is 42 ms
 
 

@@ -1,0 +1,151 @@
+"""The paper's Algorithm 1 (GetNextBatch) decided between iterations only: the ablation ``alg1``.
+
+Four FCFS queues: LS-prefill, LS-decode, BE-prefill, BE-decode. The next batch is, in order:
+1. a full batch of LS-decode jobs, if that many wait;
+2. LS-prefill jobs, the rest of the batch filled from BE-prefill (``fill_be_prefill``);
+3. LS-decode jobs, the rest filled from BE-decode;
+4. a suspended batch, resumed from its cursor (ours: the paper leaves resume order open);
+5. BE-decode jobs; 6. BE-prefill jobs.
+This class never preempts: ``layer`` and ``qllm`` (policies/layer.py, policies/qllm.py) add
+preemption inside an iteration on top of this very selection, so ``alg1`` against them
+separates what the queue order buys from what preemption buys.
+
+Options (each a Hydra key ``policy.<name>``):
+
+- ``refill_be`` (ours, default true): when fewer than a batch of BE-decode jobs remain and
+  BE-prefill jobs wait, those are prefilled first so decode batches stay full, as continuous
+  batching does. Read literally, step 6 admits BE prefills only once no BE decode is left;
+  false gives that reading.
+- ``fill_be_prefill`` (default true, step 2 as the paper reads): an LS prefill batch is filled
+  with waiting BE prompts up to the batch size and the prefill token budget; false prefills LS
+  prompts alone (BE prompts are then admitted only by steps 5-6 or the starvation guard).
+- ``max_in_flight`` (default null: no cap): the most admitted, unfinished sequences (running,
+  decode-ready and suspended together). Algorithm 1's batch size bounds one iteration only, so
+  without it an LS prefill filled with BE prompts can admit hundreds of sequences; with
+  ``max_in_flight = max_batch_size`` a batch size of 32 means what it means for ``iteration``
+  and ``priority``. A prefill (of either class) waits for a free slot.
+- ``be_max_wait_s`` (default null: off): starvation guard. A BE job that has waited longer
+  than this, for its first token (since arrival) or for its next token (since its last one),
+  is served as LS would be until its next token: it joins the LS queues (FIFO by how long it
+  has waited) and a batch holding it is not preempted for an LS arrival; a suspended batch
+  holding one is resumed before LS-decode work (after steps 1-2). It bounds a BE job's wait by
+  the limit plus what an LS job would wait at that moment, not absolutely: Algorithm 1 itself
+  lets LS prefills (step 2) delay every decode.
+
+Memory: prompt + output tokens reserved on admission; a suspended batch also holds its saved
+activations. Nothing is evicted: when memory is short, LS work waits like any other.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Collection
+
+from policies.core import BE, LS, Batch, Granularity, Sequence
+from policies.scheduler import Policy, Scheduler, cap, decode_batch, prefill_batch
+
+
+class Algorithm1(Policy):
+    name = "alg1"
+    granularity = Granularity.ITERATION
+
+    def __init__(
+        self,
+        refill_be: bool = True,
+        fill_be_prefill: bool = True,
+        max_in_flight: int | None = None,
+        be_max_wait_s: float | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        if be_max_wait_s is not None and not (
+            isinstance(be_max_wait_s, (int, float)) and be_max_wait_s >= 0
+        ):
+            raise ValueError(f"be_max_wait_s={be_max_wait_s}: must be >= 0 seconds, or null (off)")
+        self.refill_be = refill_be
+        self.fill_be_prefill = fill_be_prefill
+        self.max_in_flight = cap("max_in_flight", max_in_flight)
+        self.be_max_wait_s = be_max_wait_s
+        self.last_token_s: dict[int, float] = {}  # unfinished sequence id -> its last token
+        self.promoted: set[int] = set()  # overdue BE ids served as LS until their next token
+
+    # ------------------------------------------------------------------------------ selection
+    def select(self, s: Scheduler, now: float) -> Batch | None:
+        size, budget = self.max_batch_size, self.max_batch_prefill_tokens
+        slots = self.max_in_flight - self.in_flight(s)
+        ls_waiting, ls_ready = self._ls_queues(s, now)
+        if len(ls_ready) >= size:
+            return self._decode(s, list(itertools.islice(ls_ready, size)), size)
+        if ls_waiting and slots > 0:
+            ls = s.take_prefill(ls_waiting, min(size, slots), budget)
+            if ls:
+                self._promote(ls)
+                room = min(size, slots) - len(ls)
+                if self.fill_be_prefill and room > 0:
+                    used = sum(q.request.prompt_tokens for q in ls)
+                    fill = s.waiting[BE]
+                    ls += s.take_prefill(fill, room, budget - used, alone_if_oversized=False)
+                return prefill_batch(ls)
+        overdue = [b for b in s.suspended if self._overdue(b.sequences, now)]
+        if overdue:
+            self._promote(overdue[0].sequences)
+            return overdue[0]
+        if ls_ready:
+            return self._decode(s, list(ls_ready), size)
+        if s.suspended:
+            return s.suspended[0]
+        room = min(size - len(s.ready[BE]), slots)
+        if room > 0 and (self.refill_be or not s.ready[BE]):
+            refill = s.take_prefill(s.waiting[BE], room, budget)
+            if refill:
+                return prefill_batch(refill)
+        return decode_batch(s.take_ready(BE, size))
+
+    def in_flight(self, s: Scheduler) -> int:
+        """Admitted, unfinished sequences: running, decode-ready and suspended."""
+        n = sum(len(q) for q in s.ready.values()) + sum(b.size for b in s.suspended)
+        return n + (s.running.size if s.running is not None else 0)
+
+    def _ls_queues(self, s: Scheduler, now: float) -> tuple[Collection[Sequence], ...]:
+        """The LS-prefill and LS-decode queues, with overdue BE jobs merged in when the
+        starvation guard is on. Overdue BE jobs are a prefix of each BE queue: the prefill
+        queue is in arrival order and the decode queue in the order tokens were produced."""
+        if self.be_max_wait_s is None:
+            return s.waiting[LS], s.ready[LS]
+        late_waiting = itertools.takewhile(lambda q: self._overdue([q], now), s.waiting[BE])
+        late_ready = itertools.takewhile(lambda q: self._overdue([q], now), s.ready[BE])
+        waiting = heapq.merge(s.waiting[LS], late_waiting, key=self._waiting_since)
+        ready = heapq.merge(s.ready[LS], late_ready, key=self._waiting_since)
+        return list(waiting), list(ready)
+
+    def _decode(self, s: Scheduler, first: list[Sequence], size: float) -> Batch | None:
+        """A decode batch of ``first`` (heads of the decode queues), filled from BE-decode."""
+        for q in first:
+            s.ready[q.cls].remove(q)
+        self._promote(first)
+        return decode_batch(first + s.take_ready(BE, size - len(first)))
+
+    # ------------------------------------------------------------------- starvation guard
+    def _waiting_since(self, q: Sequence) -> float:
+        return self.last_token_s.get(q.id, q.request.arrival_s)
+
+    def _overdue(self, seqs: list[Sequence], now: float) -> bool:
+        limit = self.be_max_wait_s
+        return limit is not None and any(now - self._waiting_since(q) > limit for q in seqs)
+
+    def _promote(self, seqs: list[Sequence]) -> None:
+        if self.be_max_wait_s is not None:
+            self.promoted.update(q.id for q in seqs if not q.is_ls)
+
+    def protected(self, batch: Batch) -> bool:
+        """Whether the batch holds LS work (or BE work served as LS)."""
+        return batch.has_ls or any(q.id in self.promoted for q in batch.sequences)
+
+    def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
+        for q in batch.sequences:
+            self.promoted.discard(q.id)
+            if q.done:
+                self.last_token_s.pop(q.id, None)
+            else:
+                self.last_token_s[q.id] = now
