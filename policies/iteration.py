@@ -90,7 +90,8 @@ class IterationFCFS(Policy):
             if head.reserved_tokens > self.max_batch_total_tokens:  # TGI refuses it on arrival
                 raise CapacityError(
                     f"request {head.id} needs {head.reserved_tokens} KV tokens, more than "
-                    f"policy.max_batch_total_tokens={self.max_batch_total_tokens}"
+                    f"the batch may hold",
+                    key=f"policy.max_batch_total_tokens={self.max_batch_total_tokens}",
                 )
         if len(admitted) < min_size:
             return None

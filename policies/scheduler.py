@@ -31,7 +31,12 @@ from policies.core import BE, LS, Batch, Granularity, Phase, Request, Sequence
 
 
 class CapacityError(ValueError):
-    """A request can never fit in the KV cache."""
+    """A request can never fit; ``key`` names the limit it exceeds (None: the KV cache, whose
+    key the executor knows)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def cap(key: str, value: int | None) -> float:

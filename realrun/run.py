@@ -94,7 +94,7 @@ def execute(
     try:
         result = engine.run()
     except CapacityError as e:
-        raise UserError(f"kv_capacity_tokens: {e}") from None
+        raise UserError(f"{e.key or 'kv_capacity_tokens'}: {e}") from None
     finally:
         if bar:
             bar.close()

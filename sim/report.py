@@ -33,7 +33,7 @@ CONFIG_COLUMNS = ["experiment", "policy", "workload", "profile", "rate", "seed",
                   "num_requests", "max_output_tokens", "ls_fraction", "slo_ls_ttft_s"]  # fmt: skip
 CLASSES = ("LS", "BE", "all")
 STATS = ("mean", "p50", "p90", "p99")
-POLICY_ORDER = ("fcfs", "iteration", "priority", "layer", "qllm")
+POLICY_ORDER = ("fcfs", "iteration", "tgi-0.3", "priority", "alg1", "layer", "qllm")
 FIGURES = {
     "ls_ttft": "fig2_ls_ttft_vs_rate.png",
     "throughput": "fig3_throughput_vs_rate.png",

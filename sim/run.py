@@ -106,7 +106,7 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
         ran = cluster.run()
         result = ran.result
     except CapacityError as e:
-        raise UserError(f"profile.kv_capacity_tokens: {e}") from None
+        raise UserError(f"{e.key or 'profile.kv_capacity_tokens'}: {e}") from None
     finally:
         if bar:
             bar.close()

@@ -150,10 +150,11 @@ def test_tgi_token_budget_and_unbounded_batch_size():
     assert ids(step(s)) == [0, 1, 2, 3]  # 4 x 25 = 100
     assert step(s).phase is Phase.DECODE  # request 4 does not fit beside them
     assert ids(step(s)) == [4]  # request 0 finished with that decode: its 12 tokens are free
-    with pytest.raises(CapacityError, match="policy.max_batch_total_tokens=100"):
+    with pytest.raises(CapacityError) as refused:
         s2 = Scheduler(IterationFCFS(max_batch_total_tokens=100), kv_capacity_tokens=1_000)
         s2.arrive(req(0, prompt=60, out=50), 0)
         s2.next_batch(0)
+    assert refused.value.key == "policy.max_batch_total_tokens=100"
 
 
 def test_unbounded_batch_size_composes_and_validates():
