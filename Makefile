@@ -68,6 +68,7 @@ $(GPU_BUNDLE)/.done: gpu/bundle.txt
 		-d $(GPU_BUNDLE)
 	grep '^antlr4' gpu/bundle.txt | xargs $(BIN)/python -m pip wheel -q --no-deps -w $(GPU_BUNDLE)
 	du -sh $(GPU_BUNDLE)
+	test $$(du -sk $(GPU_BUNDLE) | cut -f1) -le 20480 || { echo "$(GPU_BUNDLE) over 20 MiB"; false; }
 	touch $@
 gpu-bundle: venv $(GPU_BUNDLE)/.done
 
