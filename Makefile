@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint format reproduce bench clean
+.PHONY: venv demo test lint format reproduce bench clean test-tf517 gpu-bundle gpu-check-dry
 
 venv: $(STAMP)
 
@@ -27,6 +27,7 @@ reproduce: venv
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -p no:cacheprovider --timeout=900
+	$(MAKE) --no-print-directory test-tf517 gpu-check-dry
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
@@ -38,4 +39,41 @@ bench: venv
 	$(BIN)/python benchmarks/sim_speed.py
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache
+	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache .cache gpu/bundle
+
+# --- The GPU machine (an H200 with transformers 5.17.0, no registry): see README, "GPU check".
+# transformers 5.17.0 (the GPU machine's) in an ignored target dir, ahead of the venv's newer one;
+# huggingface-hub<2 and its httpx are what 5.17 needs beside the venv's packages.
+TF517 := .cache/tf517
+$(TF517)/.installed: Makefile
+	rm -rf $(TF517)
+	$(BIN)/python -m pip install -q --no-deps --target $(TF517) transformers==5.17.0 \
+		huggingface-hub==1.33.0 httpx==0.28.1 httpcore==1.0.9
+	touch $@
+
+# The exactness tests (tokens equal model.generate) against transformers 5.17.0.
+test-tf517: venv $(TF517)/.installed
+	PYTHONPATH=$(CURDIR)/$(TF517):$(CURDIR) $(BIN)/python -c \
+		"import transformers as t; assert t.__version__ == '5.17.0', t.__version__"
+	PYTHONPATH=$(CURDIR)/$(TF517):$(CURDIR) $(BIN)/python -m pytest -p no:cacheprovider \
+		--timeout=300 tests/test_ops.py tests/test_realrun.py -k "test_ops or greedy_tokens"
+
+# Pure-Python wheels of what the project imports that the GPU machine lacks (gpu/bundle.txt);
+# antlr4-python3-runtime 4.9.3 has no wheel on the index: built from its sdist.
+GPU_BUNDLE := gpu/bundle
+$(GPU_BUNDLE)/.done: gpu/bundle.txt
+	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)
+	grep -v '^#' gpu/bundle.txt | grep -v antlr4 | xargs $(BIN)/python -m pip download -q \
+		--no-deps --only-binary=:all: --python-version 3.12 --implementation py --platform any \
+		-d $(GPU_BUNDLE)
+	grep '^antlr4' gpu/bundle.txt | xargs $(BIN)/python -m pip wheel -q --no-deps -w $(GPU_BUNDLE)
+	du -sh $(GPU_BUNDLE)
+	test $$(du -sk $(GPU_BUNDLE) | cut -f1) -le 20480 || { echo "$(GPU_BUNDLE) over 20 MiB"; false; }
+	touch $@
+gpu-bundle: venv $(GPU_BUNDLE)/.done
+
+# gpu/check.sh on the CPU with a tiny model, the GPU machine's packages simulated.
+gpu-check-dry: gpu-bundle $(TF517)/.installed
+	rm -rf results/gpu-check-dry
+	OUT=results/gpu-check-dry QLLM_CHECK_DRY=1 PYTHON=$(BIN)/python \
+		QLLM_CHECK_PYTHONPATH=$(CURDIR)/$(TF517) gpu/check.sh

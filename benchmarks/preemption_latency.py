@@ -17,6 +17,7 @@ max_waiting_tokens decode steps); ``priority`` admits LS first but only between 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 import numpy as np
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--ls-output", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, info = build_model(args.model, device=args.device)
@@ -69,7 +71,7 @@ def main() -> None:
     warm_up(runner, args.be_prompt)
     print(f"{info.name} on {info.device}: {args.be} BE x {args.be_output} tokens in the "
           f"background, {args.ls} LS arrivals at {args.ls_rate}/s")  # fmt: skip
-    medians = {}
+    medians, rows = {}, []
     for name in args.policies:
         policy = build_policy(OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml"))
         sched = Scheduler(policy, kv_capacity_tokens=10**9)
@@ -78,11 +80,17 @@ def main() -> None:
                  for s in result.sequences if s.cls == LS]  # fmt: skip
         medians[name] = statistics.median(waits)
         p90 = float(np.percentile(waits, 90))
+        rows.append({"policy": name, "ls_start_latency_median_ms": medians[name], "p90_ms": p90,
+                     "n": len(waits), "preemptions": result.preemptions})  # fmt: skip
         print(f"policy={name} ls_start_latency_median_ms={medians[name]:.3f} p90_ms={p90:.3f} "
               f"n={len(waits)} preemptions={result.preemptions}")  # fmt: skip
     if "qllm" in medians:
         print(" ".join(f"{name}_over_qllm={medians[name] / medians['qllm']:.1f}"
                        for name in ("iteration", "priority") if name in medians))  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": info.name, "device": str(info.device), "args": vars(args),
+                       "policies": rows}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -30,11 +30,13 @@ attention, gate, expert weights), so the runner matches ``model.generate`` token
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import create_causal_mask
@@ -44,6 +46,28 @@ from policies.core import Stage
 
 class RunnerError(ValueError):
     """The runner cannot execute this model or batch."""
+
+
+class KVCacheError(RunnerError):
+    """A stage did not write the KV cache it should have (a silent no-op, never tolerated)."""
+
+
+def cache_keyword(fn) -> str:
+    """The name under which ``fn`` takes the KV cache: ``past_key_values`` in transformers 5.17
+    (the H200's version), ``cache`` in later 5.x releases. An attention forward takes
+    ``**kwargs`` and silently drops a name it does not know (no KV written, wrong tokens), so the
+    name is read from the signature rather than guessed."""
+    params = inspect.signature(fn).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise RunnerError(
+        f"{fn.__qualname__} (transformers {transformers.__version__}) takes neither cache= nor "
+        "past_key_values=; unsupported transformers version"
+    )
+
+
+_MASK_CACHE_KW = cache_keyword(create_causal_mask)
 
 
 class GrowingLayer(DynamicLayer):
@@ -286,6 +310,7 @@ class ModelRunner:
         self.num_layers = len(self.layers)
         self.num_experts = ex.num_experts
         self.top_k = self.config.num_experts_per_tok
+        self._attn_cache_kw = cache_keyword(type(self.layers[0].self_attn).forward)
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         # Per-expert weight views, made once: the expert stage is the hot loop. They alias the
@@ -407,8 +432,8 @@ class ModelRunner:
             config=self.config,
             inputs_embeds=shape_only,
             attention_mask=None,
-            cache=s.cache,
             position_ids=pos,
+            **{_MASK_CACHE_KW: s.cache},
         )
 
     def _decode_mask(self, lengths: list[int]) -> torch.Tensor | None:
@@ -437,7 +462,7 @@ class ModelRunner:
                 hidden_states=x[:, None],
                 position_embeddings=(cos, sin),
                 attention_mask=state.masks[0],
-                cache=_BatchKV(state.sequences, lengths),
+                **{self._attn_cache_kw: _BatchKV(state.sequences, lengths)},
             )
             out = out[:, 0]
         else:
@@ -448,7 +473,7 @@ class ModelRunner:
                     hidden_states=x[None, a:b],
                     position_embeddings=(cos[:, a:b], sin[:, a:b]),
                     attention_mask=state.masks[i],
-                    cache=s.cache,
+                    **{self._attn_cache_kw: s.cache},
                 )
                 parts.append(o[0])
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -498,6 +523,7 @@ class ModelRunner:
         """Final norm + lm_head + greedy argmax at each sequence's last position; the tokens
         are appended to the sequences, whose caches now hold everything they were fed."""
         self.finish_layer(state)
+        self.check_kv(state)
         last = state.hidden if state.is_decode else state.hidden[[o - 1 for o in state.offsets[1:]]]
         logits = self.lm_head_module(self.norm(last))
         # generate() takes the argmax of float32 logits: the same cast gives the same ties.
@@ -507,6 +533,23 @@ class ModelRunner:
             s.token_ids.append(t)
         state.next_tokens = tokens
         state.hidden = None
+
+    def check_kv(self, state: IterationState) -> None:
+        """Every sequence's cache must now hold every token it was fed, in its first and last
+        layers: a few integer compares per iteration make a KV write that never happened
+        (e.g. a cache argument the attention module ignored) fail at once instead of producing
+        wrong tokens and decode attention timed over one token."""
+        first, last = 0, self.num_layers - 1
+        for s in state.sequences:
+            fed = len(s.token_ids)
+            for layer in (first, last):
+                held = s.cache.layers[layer].get_seq_length()
+                if held != fed:
+                    raise KVCacheError(
+                        f"KV cache of layer {layer} holds {held} tokens after an iteration that "
+                        f"fed {fed}: the attention did not write it (transformers "
+                        f"{transformers.__version__}, cache argument {self._attn_cache_kw}=)"
+                    )
 
     # ------------------------------------------------------------------------- convenience
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

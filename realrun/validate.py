@@ -223,3 +223,7 @@ def cli() -> None:
     if problem:
         fail(PROG, problem)
     main()
+
+
+if __name__ == "__main__":  # python -m realrun.validate, where no console script is installed
+    cli()

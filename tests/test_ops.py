@@ -10,7 +10,7 @@ import torch
 
 from policies.core import Stage
 from profiler.models import build_model
-from profiler.ops import ModelRunner, RunnerError
+from profiler.ops import KVCacheError, ModelRunner, RunnerError, cache_keyword
 from sim.latency import Plan
 
 NEW_TOKENS = 6
@@ -93,3 +93,29 @@ def test_runner_rejects_an_empty_batch():
     model, _ = build_model("tiny-olmoe")
     with pytest.raises(RunnerError):
         ModelRunner(model).begin([])
+
+
+def test_the_cache_argument_is_named_as_the_installed_transformers_names_it():
+    def old(hidden_states, attention_mask, past_key_values=None, **kwargs): ...
+
+    def new(hidden_states, attention_mask, cache=None, **kwargs): ...
+
+    def neither(hidden_states, **kwargs): ...
+
+    assert (cache_keyword(old), cache_keyword(new)) == ("past_key_values", "cache")
+    with pytest.raises(RunnerError, match="neither"):
+        cache_keyword(neither)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_an_attention_that_writes_no_kv_fails_the_iteration(decode):
+    """transformers 5.17 drops an unknown cache keyword into **kwargs: no KV written. Forcing a
+    name the attention ignores must fail at the iteration's end, in prefill and in decode."""
+    model, _ = build_model("tiny-mixtral")
+    runner = ModelRunner(model)
+    seq = runner.new_sequence([1, 2, 3])
+    if decode:
+        runner.run(runner.begin([seq]))
+    runner._attn_cache_kw = "ignored_by_attention"
+    with pytest.raises(KVCacheError, match="holds 0 tokens|holds 3 tokens"):
+        runner.run(runner.begin([seq]))

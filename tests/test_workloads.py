@@ -37,7 +37,7 @@ def session_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def cold_sharegpt(session_cache):
     """The packaged ShareGPT pool loaded with no cache entry: (pool, seconds, stderr)."""
-    cache_file(sharegpt.DEFAULT_PATH, {"dataset": "sharegpt", **DEFAULT_LIMITS}).unlink(
+    cache_file(sharegpt.default_path(), {"dataset": "sharegpt", **DEFAULT_LIMITS}).unlink(
         missing_ok=True
     )
     sharegpt._warned.clear()  # as in a fresh process
@@ -71,7 +71,7 @@ def workload(**kw) -> WorkloadConfig:
 
 
 def test_packaged_sharegpt_is_salvaged_up_to_the_cut():
-    records, truncated = sharegpt.read_conversations(sharegpt.DEFAULT_PATH)
+    records, truncated = sharegpt.read_conversations(sharegpt.default_path())
     assert truncated
     assert len(records) == 17_671
     assert all("conversations" in r for r in records)
@@ -82,7 +82,7 @@ def test_truncation_warning_is_one_line_per_process(cold_sharegpt, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1
     assert lines[0] == (
-        f"warning: {sharegpt.DEFAULT_PATH} is truncated; recovered 17671 complete conversations"
+        f"warning: {sharegpt.default_path()} is truncated; recovered 17671 complete conversations"
     )
     sharegpt.load_pool()
     assert capsys.readouterr().err == ""
@@ -112,7 +112,7 @@ def test_vllm_filter_bounds_hold_on_every_request(cold_sharegpt):
 
 def test_cache_hit_is_fast_and_identical(cold_sharegpt):
     cold, cold_seconds, _ = cold_sharegpt
-    assert cache_file(sharegpt.DEFAULT_PATH, {"dataset": "sharegpt", **DEFAULT_LIMITS}).is_file()
+    assert cache_file(sharegpt.default_path(), {"dataset": "sharegpt", **DEFAULT_LIMITS}).is_file()
     start = time.perf_counter()
     warm = sharegpt.load_pool()
     seconds = time.perf_counter() - start

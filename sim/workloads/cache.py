@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sim.workloads.tokenizer import TOKENIZER_FILE
+from sim.workloads.tokenizer import tokenizer_file
 
 FORMAT_VERSION = 2  # bump when what a cached table means changes
 _META_KEY = b"qllm_meta"
@@ -50,7 +50,7 @@ def cache_file(source: Path, params: dict) -> Path:
         {
             "version": FORMAT_VERSION,
             "source": _file_id(source),
-            "tokenizer": _file_id(TOKENIZER_FILE),
+            "tokenizer": _file_id(tokenizer_file()),
             "params": params,
         },
         sort_keys=True,

