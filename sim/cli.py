@@ -167,12 +167,13 @@ def explain(app: App, e: Exception, overrides: list[str]) -> str:
     text = str(cause)
     first = text.splitlines()[0] if text else type(cause).__name__
     found = re.search(r"full_key: (\S+)", text)
-    key = found[1] if found else None
+    key = error_key = found[1] if found else None
     value = None
-    for line in overrides:
+    for line in overrides:  # the override that set full_key, or one below it
         k, _, v = line.lstrip("+~").partition("=")
-        if k.partition("@")[0] == key:
-            value = v
+        k = k.partition("@")[0]
+        if key is not None and (k == key or k.startswith(key + ".")):
+            key, value = k, v
     said = f"{key}={value}" if key else " ".join(overrides)
     if "is not a valid bool" in first:
         return f"{said}: must be true or false"
@@ -184,7 +185,7 @@ def explain(app: App, e: Exception, overrides: list[str]) -> str:
         return f"{said}: {key} is a group of keys ({', '.join(keys_of(app, key))}); set them " \
                f"one by one ({key}.<key>=<value>)"  # fmt: skip
     if "not in struct" in first or re.search(r"Key '.*' not in '", first):
-        parent = key.rpartition(".")[0]
+        parent = error_key.rpartition(".")[0]
         allowed = ", ".join(keys_of(app, parent))
         return f"{said}: unknown key; {parent or 'the config'} has {allowed}"
     if "does not support deletion" in first:
@@ -223,6 +224,7 @@ def check_added_keys(app: App, overrides: list[Override]) -> None:
 
 # ------------------------------------------------------------------------------ run directories
 _held: list[int] = []  # directory locks held until the process ends
+_created: list[Path] = []  # directories claim_run_dir made, deepest first
 
 
 def lock(directory: Path) -> int | None:
@@ -241,6 +243,10 @@ def claim_run_dir(run_dir: Path) -> None:
     if (run_dir / FINISHED).exists():
         raise UserError(f"hydra.run.dir={run_dir}: already holds a finished run; choose another "
                         "directory")  # fmt: skip
+    missing = run_dir
+    while not missing.exists():
+        _created.append(missing)
+        missing = missing.parent
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = lock(run_dir)
     if fd is None:
@@ -260,10 +266,11 @@ def discard_unfinished(run_dir: Path) -> None:
     shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
     for leftover in run_dir.glob("*.log"):
         leftover.unlink()
-    try:
-        run_dir.rmdir()
-    except OSError:
-        pass  # it holds other files: not ours to remove
+    for directory in _created if run_dir in _created else [run_dir]:
+        try:
+            directory.rmdir()
+        except OSError:
+            return  # it holds other files: not ours to remove
 
 
 # ------------------------------------------------------------------------------ interruption
