@@ -49,6 +49,8 @@ def check(cfg: DictConfig) -> None:
     for name in cfg.policies:
         if name not in known:
             raise UserError(f"policies: {name} is not a policy; choose from {', '.join(known)}")
+    # the workload and slo checks, before the minutes of profiling
+    validate_shared(cfg, OmegaConf.load(CONF_DIR / "policy" / f"{cfg.policies[0]}.yaml"))
 
 
 def sim_config(cfg: DictConfig, policy: str, profile_dir: Path) -> DictConfig:
