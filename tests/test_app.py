@@ -208,12 +208,12 @@ def test_a_run_on_profile_path_is_labelled_with_that_profile(tmp_path, monkeypat
     r = qllm_sim(f"profile.path={profile_dir}", "workload.num_requests=20",
                  f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert json.loads((run_dir / "summary.json").read_text())["config"]["profile"]["name"] == (
-        "test-linear"
-    )
     report([str(tmp_path / "sweep")])
     table = pd.read_csv(tmp_path / "sweep" / "report" / "table.csv")
     assert set(table["profile"]) == {"test-linear"}
+    assert json.loads((run_dir / "summary.json").read_text())["config"]["profile"]["name"] == (
+        "test-linear"
+    )
 
 
 # ------------------------------------------------------------------ Ctrl-C (issue 8.9)
