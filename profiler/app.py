@@ -5,33 +5,42 @@ User errors (unknown model, bad path, no CUDA, bad setting) print one line and e
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import hydra
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from profiler.models import ModelError
 from profiler.schema import ProfileError
+from sim.cli import CONF_DIR, App, run
+from sim.cli import fail as fail_as
+from sim.config import UserError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 PROG = "qllm-profile"
 
 
+def check(cfg: DictConfig) -> None:
+    """conf/profiler.yaml has no typed schema: the settings read before torch loads."""
+    for key, ok, allowed in (
+        ("seed", isinstance(cfg.seed, int), "must be an integer"),
+        ("threads", cfg.threads is None or (isinstance(cfg.threads, int) and cfg.threads >= 1),
+         "must be an integer >= 1 or null"),
+        ("warmup", isinstance(cfg.warmup, int) and cfg.warmup >= 0, "must be an integer >= 0"),
+        ("repeats", isinstance(cfg.repeats, int) and cfg.repeats >= 1, "must be an integer >= 1"),
+        ("clock", cfg.clock in ("wall", "process"), "must be wall or process"),
+        ("device", cfg.device in ("auto", "cpu") or str(cfg.device).startswith("cuda"),
+         "must be auto, cpu, cuda or cuda:<index>"),
+        ("progress", isinstance(cfg.progress, bool), "must be true or false"),
+    ):  # fmt: skip
+        if not ok:
+            raise UserError(f"{key}={cfg[key]}: {allowed}")
+
+
+APP = App(PROG, "profiler", ("model",), free_keys=("model.config",), check=check,
+          run_dir_per_run=False)  # fmt: skip
+
+
 def fail(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def unknown_model(argv: list[str], conf_dir: Path = CONF_DIR) -> str | None:
-    """Hydra reports an unknown group option with a page of text; we say it in one line."""
-    options = sorted(p.stem for p in (conf_dir / "model").glob("*.yaml"))
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and key.lstrip("+~") == "model" and value not in options:
-            return f"model={value}: unknown model; choose one of {', '.join(options)}"
-    return None
+    fail_as(PROG, message)
 
 
 def compose_config(overrides: list[str] = ()) -> DictConfig:
@@ -54,7 +63,4 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    problem = unknown_model(sys.argv[1:])
-    if problem:
-        fail(problem)
-    main()
+    run(APP, main)

@@ -17,14 +17,25 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from realrun.config import RealrunConfig, validate_realrun
-from sim.app import CONF_DIR, check_group_choices, fail
+from sim.app import overload
+from sim.cli import CONF_DIR, App, discard_unfinished, fail, run
 from sim.config import UserError
 from sim.metrics import write_outputs
+from sim.run import build_policy
 
 PROG = "qllm-realrun"
-GROUPS = ("workload", "policy", "slo", "model")
 
 ConfigStore.instance().store(name="realrun_schema", node=RealrunConfig)
+
+
+def check(cfg: DictConfig) -> None:
+    """What can be checked before Hydra makes a run directory (and before torch loads)."""
+    validate_realrun(cfg)
+    build_policy(cfg.policy)
+
+
+APP = App(PROG, "realrun", ("workload", "policy", "slo", "model"),
+          free_keys=("policy", "model.config"), check=check)  # fmt: skip
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="realrun", version_base="1.3")
@@ -36,6 +47,7 @@ def main(cfg: DictConfig) -> float | None:
 
         out = realrun(cfg)
     except UserError as e:
+        discard_unfinished(run_dir)
         fail(PROG, str(e))
     if out.trace is not None:
         out.trace.write(run_dir / "trace.json")
@@ -46,8 +58,12 @@ def main(cfg: DictConfig) -> float | None:
         f"policy={cfg.policy.name} rate={cfg.workload.rate} "
         f"ls_ttft_mean_s={_fmt(ls['ttft_s']['mean'])} be_ttft_mean_s={_fmt(be['ttft_s']['mean'])} "
         f"jobs_per_s={s['throughput']['jobs_per_s']:.3f} iterations={r.iterations} "
-        f"preemptions={r.preemptions} -> {run_dir}"
+        f"preemptions={r.preemptions} -> {run_dir}",
+        flush=True,
     )
+    warning = overload(out.requests)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     return ls["ttft_s"]["mean"]
 
 
@@ -56,7 +72,4 @@ def _fmt(x) -> str:
 
 
 def cli() -> None:
-    problem = check_group_choices(sys.argv[1:], groups=GROUPS)
-    if problem:
-        fail(PROG, problem)
-    main()
+    run(APP, main)

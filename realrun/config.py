@@ -83,6 +83,8 @@ def validate_engine(cfg: Any) -> None:
 
     need(cfg.max_prompt_tokens >= 1, "max_prompt_tokens", "must be >= 1")
     need(cfg.threads is None or cfg.threads >= 1, "threads", "must be >= 1 or null")
+    need(cfg.device in ("auto", "cpu") or cfg.device.startswith("cuda"), "device",
+         "must be auto, cpu, cuda or cuda:<index>")  # fmt: skip
 
 
 def validate_shared(cfg: Any, policy: Any) -> None:

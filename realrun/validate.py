@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import hydra
@@ -30,11 +29,10 @@ from tqdm import tqdm
 
 from policies.core import BE, LS, Batch, Request, Sequence
 from realrun.config import ValidateConfig, validate_engine, validate_shared
-from sim.app import CONF_DIR, check_group_choices, fail
+from sim.cli import CONF_DIR, App, fail, run
 from sim.config import UserError
 
 PROG = "qllm-validate"
-GROUPS = ("workload", "slo", "model")
 CLASSES = (LS, BE, "all")
 METRICS = {"ttft_mean": "ttft_s", "turnaround_mean": "turnaround_s"}
 
@@ -51,6 +49,8 @@ def check(cfg: DictConfig) -> None:
     for name in cfg.policies:
         if name not in known:
             raise UserError(f"policies: {name} is not a policy; choose from {', '.join(known)}")
+    # the workload and slo checks, before the minutes of profiling
+    validate_shared(cfg, OmegaConf.load(CONF_DIR / "policy" / f"{cfg.policies[0]}.yaml"))
 
 
 def sim_config(cfg: DictConfig, policy: str, profile_dir: Path) -> DictConfig:
@@ -219,10 +219,9 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    problem = check_group_choices(sys.argv[1:], groups=GROUPS)
-    if problem:
-        fail(PROG, problem)
-    main()
+    app = App(PROG, "validate", ("workload", "slo", "model"), free_keys=("model.config",),
+              check=check, run_dir_per_run=False)  # fmt: skip
+    run(app, main)
 
 
 if __name__ == "__main__":  # python -m realrun.validate, where no console script is installed

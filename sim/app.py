@@ -9,57 +9,114 @@ Examples::
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import hydra
+import pandas as pd
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
-from sim.config import SimConfig, UserError
+from sim import profiles
+from sim.cli import CONF_DIR, FINISHED, App, discard_unfinished, fail, lock, run
+from sim.config import SimConfig, UserError, validate
 from sim.metrics import write_outputs
-from sim.run import simulate
+from sim.run import build_policy, simulate
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("workload", "profile", "policy", "slo")
+__all__ = ["CONF_DIR", "cli", "main"]
+PROG = "qllm-sim"
+# Arrivals faster than this many times the completions: the run is overloaded (see overload).
+OVERLOAD_RATIO = 1.5
+# Settings that change no result: a finished run with other values of these is still the run.
+NOT_RESULTS = ("progress", "resume")
 
 ConfigStore.instance().store(name="base_config", node=SimConfig)
 
 
-def fail(prog: str, message: str) -> None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+def check(cfg: DictConfig) -> None:
+    """What can be checked before Hydra makes a run directory."""
+    validate(cfg)
+    build_policy(cfg.policy)
+    profiles.load(cfg.profile.name, cfg.profile.path)
 
 
-def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR, groups=GROUPS) -> str | None:
-    """Hydra reports an unknown group option with a page of text; we say it in one line."""
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        key = key.lstrip("+~")
-        if not sep or key not in groups:
-            continue
-        options = sorted(p.stem for p in (conf_dir / key).glob("*.yaml"))
-        for choice in value.split(","):
-            if choice not in options:
-                return f"{key}={choice}: unknown {key}; choose one of {', '.join(options)}"
-    return None
+APP = App(PROG, "config", ("workload", "profile", "policy", "slo"), free_keys=("policy",),
+          check=check, resumable=True)  # fmt: skip
+
+
+def job_config(cfg: DictConfig) -> dict:
+    """The resolved settings that determine the results, as summary.json stores them."""
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return json.loads(json.dumps({k: v for k, v in plain.items() if k not in NOT_RESULTS}))
+
+
+def overload(requests: pd.DataFrame) -> str | None:
+    """A warning when arrivals outpace what the machine completed: arrivals per second over
+    the span of arrivals against completions per second from the first arrival to the last
+    completion. Above OVERLOAD_RATIO the queue grows all run long and the latencies measure
+    the backlog (they grow with num_requests), not a steady state."""
+    arrivals, finishes = requests["arrival_s"], requests["finish_s"].dropna()
+    span_s = arrivals.max() - arrivals.min()
+    busy_s = (finishes.max() - arrivals.min()) if len(finishes) else float("inf")
+    if len(arrivals) < 2 or span_s <= 0 or busy_s <= 0:
+        return None
+    arrival_rate, completion_rate = len(arrivals) / span_s, len(finishes) / busy_s
+    if arrival_rate <= OVERLOAD_RATIO * completion_rate:
+        return None
+    return (f"warning: arrivals at {arrival_rate:.3g} req/s exceed the {completion_rate:.3g} "
+            f"req/s the machine completed ({arrival_rate / completion_rate:.1f}x): the "
+            "latencies measure the backlog, not a steady state")  # fmt: skip
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    run_dir = HydraConfig.get().runtime.output_dir
-    finished = Path(run_dir) / "summary.json"
-    if cfg.resume and finished.is_file():
-        # a rerun of an interrupted sweep: this job finished before (summary.json is written
-        # last and atomically), so keep its results
-        print(f"skipping finished run {run_dir}", flush=True)
-        return json.loads(finished.read_text())["classes"]["LS"]["ttft_s"]["mean"]
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    try:
+        profile = profiles.load(cfg.profile.name, cfg.profile.path)
+    except UserError as e:
+        discard_unfinished(run_dir)
+        fail(PROG, str(e))
+    cfg.profile.name = profile.name  # a run is labelled with the profile it used
+    config = job_config(cfg)
+    if hc.mode != RunMode.MULTIRUN:  # a single run's directory was claimed by cli()
+        return run_job(cfg, run_dir, config)
+    fd = lock(run_dir)
+    if fd is None:
+        print(f"skipping {run_dir}: another process is running it", flush=True)
+        return None
+    try:
+        finished = run_dir / FINISHED
+        if finished.is_file():
+            summary = json.loads(finished.read_text())
+            if cfg.resume and summary.get("config") == config:
+                print(f"skipping finished run {run_dir}", flush=True)
+                return summary["classes"]["LS"]["ttft_s"]["mean"]
+            if cfg.resume:
+                print(f"rerunning {run_dir}: its config differs from the finished run's",
+                      flush=True)  # fmt: skip
+            os.unlink(finished)  # the directory holds no finished run until this one finishes
+        return run_job(cfg, run_dir, config)
+    finally:
+        os.close(fd)
+
+
+def run_job(cfg: DictConfig, run_dir: Path, config: dict) -> float | None:
+    hc = HydraConfig.get()
+    if hc.output_subdir is not None:  # Hydra's copy, now with the profile's own name
+        OmegaConf.save(cfg, run_dir / hc.output_subdir / "config.yaml")
     try:
         out = simulate(cfg)
     except UserError as e:
-        fail("qllm-sim", str(e))
-    write_outputs(run_dir, out.requests, out.summary, {"replicas": out.timeline})
+        discard_unfinished(run_dir)
+        fail(PROG, str(e))
+    # summary.json is the run's record: its results and the config that produced them, written
+    # in one atomic step, so the two can never disagree
+    write_outputs(run_dir, out.requests, {**out.summary, "config": config},
+                  {"replicas": out.timeline})  # fmt: skip
     ls, be = out.summary["classes"]["LS"], out.summary["classes"]["BE"]
     jobs_per_s = out.summary["throughput"]["jobs_per_s"]
     print(
@@ -68,6 +125,9 @@ def main(cfg: DictConfig) -> float | None:
         f"ls_slo={_fmt(ls['slo_attainment'])} jobs_per_s={jobs_per_s:.3f} -> {run_dir}",
         flush=True,  # joblib workers share the terminal: print each line whole, now
     )
+    warning = overload(out.requests)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     return ls["ttft_s"]["mean"]
 
 
@@ -76,7 +136,4 @@ def _fmt(x) -> str:
 
 
 def cli() -> None:
-    problem = check_group_choices(sys.argv[1:])
-    if problem:
-        fail("qllm-sim", problem)
-    main()
+    run(APP, main)

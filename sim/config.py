@@ -136,14 +136,24 @@ def validate(cfg: Any) -> None:
         need(w.period_s > 0, "workload.period_s", w.period_s, "must be > 0 seconds")
     need(0 <= w.ls_fraction <= 1, "workload.ls_fraction", w.ls_fraction, "must be in [0, 1]")
     if w.max_output_tokens is not None:
-        need(w.max_output_tokens >= 1, "workload.max_output_tokens", w.max_output_tokens, ">= 1")
+        need(
+            w.max_output_tokens >= 1,
+            "workload.max_output_tokens",
+            w.max_output_tokens,
+            "must be >= 1",
+        )
     for name in ("prompt", "output"):
         d = w[name]
         need(1 <= d.min <= d.max, f"workload.{name}.min", d.min, f"must be in [1, {name}.max]")
         need(d.tokens >= 1, f"workload.{name}.tokens", d.tokens, "must be >= 1")
         need(d.sigma > 0, f"workload.{name}.sigma", d.sigma, "must be > 0")
     if p.kv_capacity_tokens is not None:
-        need(p.kv_capacity_tokens >= 1, "profile.kv_capacity_tokens", p.kv_capacity_tokens, ">= 1")
+        need(
+            p.kv_capacity_tokens >= 1,
+            "profile.kv_capacity_tokens",
+            p.kv_capacity_tokens,
+            "must be >= 1",
+        )
     need(p.routing_skew >= 0, "profile.routing_skew", p.routing_skew, "must be >= 0")
     need(
         pol.max_batch_size is None or pol.max_batch_size >= 1,
@@ -158,10 +168,10 @@ def validate(cfg: Any) -> None:
         "must be >= 1",
     )
     need(slo.ls_ttft_s > 0, "slo.ls_ttft_s", slo.ls_ttft_s, "must be > 0 seconds")
-    if "cluster" in cfg:
+    c = getattr(cfg, "cluster", None)
+    if c is not None:
         from sim.cluster import ROUTERS
 
-        c = cfg.cluster
         need(c.replicas >= 1, "cluster.replicas", c.replicas, "must be >= 1")
         need(c.router in ROUTERS, "cluster.router", c.router, f"one of {', '.join(ROUTERS)}")
         if c.router == "ls_dedicated":

@@ -122,8 +122,10 @@ def load_sweep(sweep_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     rows, frames = [], []
     for run in runs:
         try:
-            settings = run_settings(OmegaConf.load(run / ".hydra" / "config.yaml"))
             summary = json.loads((run / "summary.json").read_text())
+            # the config stored with the results (qllm-sim) is the one that produced them
+            config = summary.get("config") or OmegaConf.load(run / ".hydra" / "config.yaml")
+            settings = run_settings(config)
         except Exception as e:  # noqa: BLE001  (any unreadable run is named, not a traceback)
             raise ReportError(f"{run}: unreadable run ({type(e).__name__}: {e})") from None
         settings["run_dir"] = str(run.relative_to(sweep_dir))
@@ -343,12 +345,17 @@ def cli(argv: list[str] | None = None) -> None:
                     "above finished run directories)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="where to write (default: "
                     "<sweep_dir>/report)")  # fmt: skip
+
+    def fail(message: str) -> None:
+        print(f"qllm-report: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    ap.error = fail  # argparse's own errors: one line too, not the usage text first
     args = ap.parse_args(argv)
     try:
         table, requests = load_sweep(args.sweep_dir)
     except ReportError as e:
-        print(f"qllm-report: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))
     out = args.out or args.sweep_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "table.csv", index=False)

@@ -90,10 +90,11 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
         requests = build_workload(cfg.workload, seed=cfg.seed)
     profile = profiles.load(cfg.profile.name, cfg.profile.path)
     bar = tqdm(total=len(requests), desc="simulating", unit="req") if cfg.progress else None
-    n = cfg.cluster.replicas if "cluster" in cfg else 1
-    router_name = cfg.cluster.router if "cluster" in cfg else "round_robin"
+    cluster_cfg = getattr(cfg, "cluster", None)  # absent from the real engine's validation cfg
+    n = cluster_cfg.replicas if cluster_cfg else 1
+    router_name = cluster_cfg.router if cluster_cfg else "round_robin"
     try:
-        router = ROUTERS[router_name](n, cfg.cluster.ls_replicas if "cluster" in cfg else 1)
+        router = ROUTERS[router_name](n, cluster_cfg.ls_replicas if cluster_cfg else 1)
     except ValueError as e:
         raise UserError(f"cluster.router={router_name}: {e}") from None
     env = simpy.Environment()

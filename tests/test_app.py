@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ def test_run_writes_outputs_with_the_documented_schema(tmp_path):
     assert len(df) == 60 and df["finish_s"].notna().all()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary) == {"classes", "throughput", "makespan_s", "arrived", "completed",
-                            "executor", "cluster"}  # fmt: skip
+                            "executor", "cluster", "config"}  # fmt: skip
     assert set(summary["classes"]) == {"LS", "BE", "all"}
     for part in summary["classes"].values():
         assert set(part) == {"count", "ttft_s", "turnaround_s", "tbt_s", "slo_attainment"}
@@ -138,3 +139,141 @@ def test_bad_values_fail_naming_the_key(override, key):
 def test_bad_enum_is_rejected_at_compose_time():
     with pytest.raises(Exception, match="workload.arrival"):
         cfg("workload.arrival=sometimes")
+
+
+# ------------------------------------------------------------------ run directories (issue 8.1)
+def test_a_single_run_refuses_a_directory_holding_a_finished_run(tmp_path):
+    run_dir = tmp_path / "run"
+    first = qllm_sim("policy=layer", "workload.num_requests=20", f"hydra.run.dir={run_dir}",
+                     cwd=tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    before = (run_dir / "summary.json").read_bytes()
+    r = qllm_sim("policy=fcfs", "workload.num_requests=20", f"hydra.run.dir={run_dir}",
+                 cwd=tmp_path)  # fmt: skip
+    _one_clear_line(r, f"hydra.run.dir={run_dir}: already holds a finished run")
+    assert r.returncode == 2
+    assert (run_dir / "summary.json").read_bytes() == before
+    hydra_config = (run_dir / ".hydra" / "config.yaml").read_text()
+    assert "name: layer" in hydra_config and "name: fcfs" not in hydra_config
+
+
+def test_a_single_run_refuses_a_directory_another_run_is_writing(tmp_path):
+    from sim.cli import lock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    fd = lock(run_dir)  # as a running qllm-sim holds it
+    try:
+        r = qllm_sim("workload.num_requests=20", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    finally:
+        os.close(fd)
+    _one_clear_line(r, "another run is writing this directory")
+    assert list(run_dir.iterdir()) == []
+
+
+def test_default_run_directories_differ_within_one_second(tmp_path, monkeypatch):
+    from sim.app import APP
+    from sim.cli import prepare
+
+    monkeypatch.chdir(tmp_path)
+    dirs = {prepare(APP, ["workload.num_requests=5"]).directory for _ in range(3)}
+    assert len(dirs) == 3
+
+
+def test_a_sweep_skips_only_runs_finished_with_the_same_config(tmp_path):
+    args = ("-m", "policy=fcfs,qllm", "workload.num_requests=20", f"hydra.sweep.dir={tmp_path}")
+    assert qllm_sim(*args, cwd=tmp_path).returncode == 0
+    fcfs, qllm = sorted(tmp_path.glob("policy=*"))
+    # qllm's directory now holds a run of another config (as after an edit of conf/policy)
+    stale = json.loads((qllm / "summary.json").read_text())
+    stale["config"]["policy"]["max_batch_size"] = 7
+    (qllm / "summary.json").write_text(json.dumps(stale))
+    r = qllm_sim(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"skipping finished run {fcfs}" in r.stdout
+    assert f"rerunning {qllm}" in r.stdout
+    fresh = json.loads((qllm / "summary.json").read_text())
+    assert fresh["config"]["policy"]["max_batch_size"] == 32
+
+
+# ------------------------------------------------------------------ profile label (issue 8.3)
+def test_a_run_on_profile_path_is_labelled_with_that_profile(tmp_path, monkeypatch):
+    from conftest import linear_profile
+
+    from sim.report import cli as report
+
+    profile_dir = tmp_path / "my-profile"
+    linear_profile().save(profile_dir)
+    run_dir = tmp_path / "sweep" / "run"
+    r = qllm_sim(f"profile.path={profile_dir}", "workload.num_requests=20",
+                 f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report([str(tmp_path / "sweep")])
+    table = pd.read_csv(tmp_path / "sweep" / "report" / "table.csv")
+    assert set(table["profile"]) == {"test-linear"}
+    assert json.loads((run_dir / "summary.json").read_text())["config"]["profile"]["name"] == (
+        "test-linear"
+    )
+
+
+# ------------------------------------------------------------------ Ctrl-C (issue 8.9)
+def test_ctrl_c_in_a_sweep_says_what_finished_and_how_to_resume(tmp_path):
+    import re
+    import signal
+    import time
+
+    args = ["-m", "seed=0,1,2,3", "workload=synthetic", "workload.num_requests=400"]
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    p = subprocess.Popen([sys.executable, "-m", "sim", *args], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("results/sweeps/*/*/*/summary.json")):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err, err
+    said = [ln for ln in err.splitlines() if ln.startswith("qllm-sim: interrupted")]
+    assert len(said) == 1, err
+    m = re.fullmatch(r"qllm-sim: interrupted: (\d) of 4 runs finished in (\S+); resume with: "
+                     r"qllm-sim (.*)", said[0])  # fmt: skip
+    assert m, said[0]
+    sweep_dir = tmp_path / m[2]
+    assert int(m[1]) == len(list(sweep_dir.glob("*/summary.json"))) < 4
+    resume = shlex.split(m[3])
+    assert resume == [*args, f"hydra.sweep.dir={m[2]}"]
+    r = subprocess.run([sys.executable, "-m", "sim", *resume], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("skipping finished run") == int(m[1])
+    assert len(list(sweep_dir.glob("*/summary.json"))) == 4
+
+
+# ------------------------------------------------------------------ overload (issue 8.10)
+def test_overload_is_remarked_with_both_rates():
+    from sim.app import overload
+
+    heavy = simulate(cfg("workload=synthetic", "workload.rate=20", "workload.num_requests=200"))
+    warning = overload(heavy.requests)
+    assert warning and warning.startswith("warning: arrivals at ")
+    assert "req/s the machine completed" in warning
+    light = simulate(cfg("workload=synthetic", "workload.rate=0.2", "workload.num_requests=200"))
+    assert overload(light.requests) is None
+
+
+def test_overload_warning_is_printed_by_qllm_sim(tmp_path):
+    r = qllm_sim("workload=synthetic", "workload.rate=20", "workload.num_requests=100",
+                 f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0 and "warning: arrivals at" in r.stderr
+
+
+# ------------------------------------------------------------------ --help (issue 8.8)
+def test_help_names_the_groups_qllm_sim_reads_and_no_other():
+    r = qllm_sim("--help", cwd=ROOT)
+    assert r.returncode == 0
+    groups = r.stdout.split("Groups (group=option):")[1].split("Main keys:")[0]
+    for group in ("workload", "profile", "policy", "slo"):
+        for option in (CONF_DIR / group).glob("*.yaml"):
+            assert option.stem in groups, (group, option.stem)
+    assert "model" not in groups
+    assert "workload.rate" in r.stdout

@@ -94,7 +94,8 @@ def load_pool(
     ``max_total_tokens``. Cached on disk after the first call."""
     path = default_path() if path is None else Path(path).expanduser()
     if not path.is_file():
-        raise UserError(f"workload.path={path}: file not found")
+        what = "a directory, not a ShareGPT JSON file" if path.is_dir() else "file not found"
+        raise UserError(f"workload.path={path}: {what}")
     limits = {
         "min_tokens": min_tokens,
         "max_prompt_tokens": max_prompt_tokens,

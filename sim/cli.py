@@ -1,0 +1,290 @@
+"""What every Hydra entry point does before and around ``hydra.main``.
+
+Hydra answers a bad override with a page of text and exit 1, after it has made the run
+directory. ``run`` composes the config first, the way Hydra will, and turns every problem into
+one line ``prog: error: key=value: what is allowed`` (exit 2), so a bad command writes nothing.
+It pins the run (or sweep) directory on the command line Hydra then reads, and claims a single
+run's directory: one that holds a finished run, or that another process is writing, is refused.
+Ctrl-C during a sweep prints one line: what finished, and the command that resumes the sweep.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shlex
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override, OverrideType
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from sim.config import UserError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+FINISHED = "summary.json"  # written last and atomically: its presence means the run finished
+TYPE_WORDS = {"Float": "a number", "Integer": "an integer", "Boolean": "true or false",
+              "String": "a string"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class App:
+    prog: str
+    config_name: str
+    groups: tuple[str, ...]  # the config groups this app reads (group=option)
+    free_keys: tuple[str, ...] = ()  # dict nodes that take new keys (+node.key=value)
+    check: Callable[[DictConfig], None] | None = None  # range checks; raise UserError
+    run_dir_per_run: bool = True  # hydra.run.dir is the run's own directory (not ".")
+    resumable: bool = False  # a rerun of a sweep skips its finished runs
+
+
+@dataclass
+class Plan:
+    """The command Hydra will run: argv with the directory pinned, and its jobs."""
+
+    argv: list[str]
+    multirun: bool = False
+    directory: str | None = None  # the sweep dir (multirun) or the run dir
+    jobs: list[list[str]] = field(default_factory=list)  # each job's overrides (multirun)
+
+
+def fail(prog: str, message: str) -> None:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run(app: App, main: Callable[[], object], argv: Sequence[str] | None = None) -> None:
+    """Check the command line, then run ``main`` (a ``hydra.main`` function) on it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        plan = prepare(app, argv)
+    except UserError as e:
+        fail(app.prog, str(e))
+    sys.argv = [sys.argv[0], *plan.argv]
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(f"{app.prog}: interrupted: {interrupted(app, plan)}", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def prepare(app: App, argv: list[str]) -> Plan:
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.help or args.hydra_help or args.info or args.shell_completion:
+        return Plan(argv)
+    overrides = []
+    for line in args.overrides:
+        try:
+            overrides += OverridesParser.create().parse_overrides([line])
+        except HydraException as e:
+            raise UserError(
+                f"{line}: not an override ({str(e).splitlines()[0]}); see "
+                "https://hydra.cc/docs/advanced/override_grammar/basic"
+            ) from None
+    check_group_choices(app, overrides)
+    combos = [[o.input_line for o in overrides]]
+    if args.multirun:
+        combos = value_combinations(overrides)
+    for combo in combos:
+        cfg = compose_or_explain(app, combo)
+        check_added_keys(app, overrides)
+        if app.check is not None:
+            app.check(cfg)
+    if args.cfg:  # --cfg job|hydra|all prints the config and runs nothing
+        return Plan(argv)
+    hydra_cfg = compose_or_explain(app, combos[0], with_hydra=True).hydra
+    given = {o.key_or_group for o in overrides}
+    if args.multirun:
+        sweep_dir = str(hydra_cfg.sweep.dir)
+        if "hydra.sweep.dir" not in given:
+            argv = [*argv, f"hydra.sweep.dir={sweep_dir}"]  # resolved once, stated in messages
+        jobs = [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+        return Plan(argv, multirun=True, directory=sweep_dir, jobs=jobs)
+    if not app.run_dir_per_run:
+        return Plan(argv)
+    run_dir = str(hydra_cfg.run.dir)
+    if "hydra.run.dir" not in given:
+        argv = [*argv, f"hydra.run.dir={run_dir}"]  # ${now:...} fixed here, before it is claimed
+    claim_run_dir(Path(run_dir))
+    return Plan(argv, directory=run_dir)
+
+
+def check_group_choices(app: App, overrides: list[Override]) -> None:
+    """Hydra reports an unknown group option with a page of text; we say it in one line."""
+    for o in overrides:
+        if o.key_or_group not in app.groups or o.is_delete():
+            continue
+        options = sorted(p.stem for p in (CONF_DIR / o.key_or_group).glob("*.yaml"))
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+        for choice in values:
+            if choice not in options:
+                raise UserError(f"{o.key_or_group}={choice}: unknown {o.key_or_group}; "
+                                f"choose one of {', '.join(options)}")  # fmt: skip
+
+
+def value_combinations(overrides: list[Override]) -> list[list[str]]:
+    """Every value of every swept key, each once (the others at their first value): what a
+    single value can get wrong, checked without composing the whole product."""
+    lines = [o.input_line for o in overrides]
+    swept = {i: [_line(o, v) for v in o.sweep_string_iterator()]
+             for i, o in enumerate(overrides) if o.is_sweep_override()}  # fmt: skip
+    first = [swept[i][0] if i in swept else line for i, line in enumerate(lines)]
+    combos = [first]
+    for i, values in swept.items():
+        combos += [[*first[:i], v, *first[i + 1 :]] for v in values[1:]]
+    return combos
+
+
+def _line(o: Override, value: str) -> str:
+    prefix = {OverrideType.ADD: "+", OverrideType.FORCE_ADD: "++"}.get(o.type, "")
+    return f"{prefix}{o.get_key_element().lstrip('+')}={value}"
+
+
+def _compose(app: App, overrides: list[str], with_hydra: bool = False) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(app.config_name, overrides=overrides, return_hydra_config=with_hydra)
+
+
+def compose_or_explain(app: App, overrides: list[str], with_hydra: bool = False) -> DictConfig:
+    try:
+        return _compose(app, overrides, with_hydra)
+    except HydraException as e:
+        raise UserError(explain(app, e, overrides)) from None
+
+
+def explain(app: App, e: Exception, overrides: list[str]) -> str:
+    """One line for a composition error: the key, its value and what is allowed."""
+    cause = e.__cause__ if e.__cause__ is not None else e
+    text = str(cause)
+    first = text.splitlines()[0] if text else type(cause).__name__
+    found = re.search(r"full_key: (\S+)", text)
+    key = error_key = found[1] if found else None
+    value = None
+    for line in overrides:  # the override that set full_key, or one below it
+        k, _, v = line.lstrip("+~").partition("=")
+        k = k.partition("@")[0]
+        if key is not None and (k == key or k.startswith(key + ".")):
+            key, value = k, v
+    said = f"{key}={value}" if key else " ".join(overrides)
+    if "is not a valid bool" in first:
+        return f"{said}: must be true or false"
+    if m := re.search(r"could not be converted to (\w+)", first):
+        return f"{said}: must be {TYPE_WORDS.get(m[1], m[1])}"
+    if m := re.search(r"expected one of \[(.*)\]", first):
+        return f"{said}: must be one of {m[1]}"
+    if m := re.search(r"is not a subclass of (\w+)", first):
+        return f"{said}: {key} is a group of keys ({', '.join(keys_of(app, key))}); set them " \
+               f"one by one ({key}.<key>=<value>)"  # fmt: skip
+    if "not in struct" in first or re.search(r"Key '.*' not in '", first):
+        parent = error_key.rpartition(".")[0]
+        allowed = ", ".join(keys_of(app, parent))
+        return f"{said}: unknown key; {parent or 'the config'} has {allowed}"
+    if "does not support deletion" in first:
+        return f"~{key}: cannot be removed; set a value instead"
+    if m := re.search(r"Ambiguous value for argument '(.*)'", first):
+        return f"{m[1]}: several values sweep only with -m (--multirun); a list is [a,b]"
+    if m := re.search(r"Could not append to config. An item is already at '(.*)'", first):
+        return f"+{m[1]}: {m[1]} exists already; set it without '+'"
+    return f"{said}: {first}"
+
+
+def keys_of(app: App, node: str) -> list[str]:
+    cfg = _compose(app, [])
+    sub = OmegaConf.select(cfg, node) if node else cfg
+    return sorted(str(k) for k in sub.keys()) if isinstance(sub, DictConfig) else []
+
+
+def check_added_keys(app: App, overrides: list[Override]) -> None:
+    """``+key=value`` adds a key Hydra would carry and nobody read, ``~key`` removes one a run
+    needs; only dict nodes that take free keys (``model.config``, a policy's settings) may."""
+    for o in overrides:
+        if o.is_hydra_override() or o.type == OverrideType.CHANGE:
+            continue
+        key = o.key_or_group
+        parent = key.rpartition(".")[0]
+        if key in app.groups or any(parent == f or parent.startswith(f + ".")
+                                    for f in app.free_keys):  # fmt: skip
+            continue
+        if o.is_delete():
+            raise UserError(f"~{key}: cannot be removed; set a value instead")
+        value = "..." if o.is_sweep_override() else o.get_value_element_as_str()
+        allowed = keys_of(app, parent)
+        raise UserError(f"{o.get_key_element()}={value}: unknown key; "
+                        f"{parent or 'the config'} has {', '.join(allowed)}")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ run directories
+_held: list[int] = []  # directory locks held until the process ends
+_created: list[Path] = []  # directories claim_run_dir made, deepest first
+
+
+def lock(directory: Path) -> int | None:
+    """An exclusive lock on the directory (released when the process ends, even killed)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """A single run's directory holds one run: not a finished one, not one being written."""
+    if (run_dir / FINISHED).exists():
+        raise UserError(f"hydra.run.dir={run_dir}: already holds a finished run; choose another "
+                        "directory")  # fmt: skip
+    missing = run_dir
+    while not missing.exists():
+        _created.append(missing)
+        missing = missing.parent
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = lock(run_dir)
+    if fd is None:
+        raise UserError(f"hydra.run.dir={run_dir}: another run is writing this directory; "
+                        "choose another directory")  # fmt: skip
+    if (run_dir / FINISHED).exists():  # finished while we took the lock
+        raise UserError(f"hydra.run.dir={run_dir}: already holds a finished run; choose another "
+                        "directory")  # fmt: skip
+    _held.append(fd)
+
+
+def discard_unfinished(run_dir: Path) -> None:
+    """After a run failed: remove what Hydra wrote for it, and the directory if that leaves it
+    empty, so that no directory names a run that produced nothing."""
+    if (run_dir / FINISHED).exists():
+        return
+    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+    for leftover in run_dir.glob("*.log"):
+        leftover.unlink()
+    for directory in _created if run_dir in _created else [run_dir]:
+        try:
+            directory.rmdir()
+        except OSError:
+            return  # it holds other files: not ours to remove
+
+
+# ------------------------------------------------------------------------------ interruption
+def interrupted(app: App, plan: Plan) -> str:
+    if not plan.multirun:
+        where = f" in {plan.directory}" if plan.directory else ""
+        return f"the run did not finish{where}; nothing was written to summary.json"
+    done = sum(finished_job(app, plan, job) for job in plan.jobs)
+    argv = [a for a in plan.argv if not a.startswith("resume=")]  # a resume must skip
+    verb = "resume" if app.resumable else "rerun"
+    return (f"{done} of {len(plan.jobs)} runs finished in {plan.directory}; {verb} with: "
+            f"{app.prog} {shlex.join(argv)}")  # fmt: skip
+
+
+def finished_job(app: App, plan: Plan, job: list[str]) -> bool:
+    hydra_cfg = _compose(app, [*job, f"hydra.sweep.dir={plan.directory}"], with_hydra=True).hydra
+    return (Path(plan.directory) / str(hydra_cfg.sweep.subdir) / FINISHED).is_file()

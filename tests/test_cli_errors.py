@@ -1,0 +1,87 @@
+"""Every entry point answers a bad command with one line, exit 2, and writes nothing."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+ENTRY_POINTS = {
+    "qllm-sim": "sim.app",
+    "qllm-realrun": "realrun.app",
+    "qllm-validate": "realrun.validate",
+    "qllm-profile": "profiler.app",
+}
+COMMON = [  # (argv, what the line must say)
+    (["seed=1.5"], "seed=1.5: must be an integer"),
+    (["+foo=1"], "+foo=1: unknown key"),
+    (["foo=1"], "foo=1: unknown key"),
+    (["~seed"], "~seed: cannot be removed"),
+    (["seed=[1"], "seed=[1: not an override"),
+]
+WORKLOAD = [
+    (["workload.rate=abc"], "workload.rate=abc: must be a number"),
+    (["workload.arrival=poison"], "workload.arrival=poison: must be one of poisson, gamma"),
+    (["workload.rate=1,2"], "workload.rate=1,2: several values sweep only with -m"),
+    (["-m", "workload.rate=1,abc"], "workload.rate=abc: must be a number"),
+    (["workload.max_output_tokens=0"], "workload.max_output_tokens=0: must be >= 1"),
+    (["workload=nope"], "workload=nope: unknown workload; choose one of"),
+]
+POLICY = [
+    (["policy.batch_size=8"], "policy.batch_size=8: unknown key; policy has"),
+    (["-m", "policy=fcfs,nope"], "policy=nope: unknown policy; choose one of"),
+]
+CASES = (
+    [("qllm-sim", *c) for c in COMMON + WORKLOAD + POLICY]
+    + [("qllm-sim", ["profile.path=/nonexistent"], "profile.path=/nonexistent: not a directory")]
+    + [("qllm-realrun", *c) for c in COMMON + WORKLOAD + POLICY]
+    + [("qllm-realrun", ["device=tpu"], "device=tpu: must be auto, cpu, cuda")]
+    + [("qllm-validate", *c) for c in COMMON + WORKLOAD]
+    + [("qllm-profile", *c) for c in COMMON]
+    + [("qllm-profile", ["threads=0"], "threads=0: must be an integer >= 1 or null"),
+       ("qllm-profile", ["repeats=x"], "repeats=x: must be an integer >= 1"),
+       ("qllm-profile", ["model=nope"], "model=nope: unknown model; choose one of")]
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("prog, argv, said", CASES, ids=[f"{p}:{' '.join(a)}" for p, a, _ in CASES])
+def test_bad_command_is_one_line_exit_2_and_writes_nothing(
+    prog, argv, said, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)  # the default run directories are relative to the cwd
+    monkeypatch.setattr(sys, "argv", [prog, *argv])
+    cli = importlib.import_module(ENTRY_POINTS[prog]).cli
+    with pytest.raises(SystemExit) as exit_:
+        cli()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"{prog}: error: {said}"), lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [(["--bogus", "x"], "unrecognized arguments: --bogus"), (["nope"], "nope: no such directory")],
+)
+def test_qllm_report_bad_command_is_one_line(argv, said, tmp_path, monkeypatch, capsys):
+    from sim.report import cli
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.strip().splitlines() == [f"qllm-report: error: {said}"]
+
+
+def test_sharegpt_path_that_is_a_directory_says_so(tmp_path):
+    from test_app import cfg
+
+    from sim.config import UserError
+    from sim.run import simulate
+
+    with pytest.raises(UserError, match="a directory, not a ShareGPT JSON file"):
+        simulate(cfg("workload=sharegpt", f"workload.path={tmp_path}", "workload.num_requests=5"))
