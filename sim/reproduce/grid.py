@@ -72,8 +72,7 @@ def run_task(exp_name: str, axis: dict, base_rate: float, replicate: int, cfgs: 
         settings = {"experiment": exp_name, **run_settings(cfg), "policy": label,
                     "replicate": replicate, "base_rate": base_rate}  # fmt: skip
         settings.update({k.split(".")[-1]: v for k, v in axis.items() if k != "profile"})
-        rows += with_request_stats(summary_rows(settings, out.summary, out.requests),
-                                   out.requests)  # fmt: skip
+        rows += with_request_stats(summary_rows(settings, out.summary), out.requests)
         if exp_name == CDF_EXPERIMENT:
             frames.append(out.requests[["cls", "ttft_s"]].assign(**settings))
     return rows, frames
