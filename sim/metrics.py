@@ -60,13 +60,15 @@ def requests_frame(sequences: list[Seq]) -> pd.DataFrame:
 def stats(values: Any) -> dict:
     """mean, std (population, ddof=0), p50/p90/p95/p99 (numpy's linear percentiles) and max
     of the values that are not NaN; every field null when there are none."""
-    v = np.asarray(values, dtype=np.float64)
-    v = v[~np.isnan(v)]
+    v = np.array(values, dtype=np.float64)  # a copy of our own: the percentiles may reorder it
+    nan = np.isnan(v)
+    if nan.any():
+        v = v[~nan]
     if len(v) == 0:
         return dict.fromkeys(STATS)
-    pct = np.percentile(v, list(PERCENTILES.values()))
-    return {"mean": float(v.mean()), "std": float(v.std()),
-            **{k: float(p) for k, p in zip(PERCENTILES, pct, strict=True)},
+    out = {"mean": float(v.mean()), "std": float(v.std())}
+    pct = np.percentile(v, list(PERCENTILES.values()), overwrite_input=True)
+    return {**out, **{k: float(p) for k, p in zip(PERCENTILES, pct, strict=True)},
             "max": float(v.max())}  # fmt: skip
 
 
