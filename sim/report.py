@@ -121,7 +121,11 @@ def load_sweep(sweep_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         if (run / "requests.parquet").is_file():
             requests = pd.read_parquet(run / "requests.parquet", columns=["cls", "ttft_s"])
             frames.append(requests.assign(**settings))
-        rows += summary_rows(settings, summary)
+        try:
+            rows += summary_rows(settings, summary)
+        except KeyError as e:
+            raise ReportError(f"{run}: summary.json has no {e} (written by an older qllm-sim? "
+                              "rerun the run)") from None  # fmt: skip
     table = tidy(pd.DataFrame(rows))
     requests = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return table, requests

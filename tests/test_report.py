@@ -103,6 +103,21 @@ def test_report_leaves_out_runs_without_a_summary(sweep, tmp_path):
     assert crashed.name not in set(table["run_dir"]) | set(requests["run_dir"])
 
 
+def test_report_names_a_run_whose_summary_lacks_a_metric(sweep, tmp_path, capsys):
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep, copy)
+    old = next(copy.glob("*/summary.json"))
+    summary = json.loads(old.read_text())
+    del summary["classes"]["BE"]["itl_s"]  # as a summary.json from before itl_s existed
+    old.write_text(json.dumps(summary))
+    with pytest.raises(SystemExit) as exit_:
+        cli([str(copy), "--out", str(tmp_path / "report")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"qllm-report: error: {old.parent}: summary.json has no 'itl_s' (written by "
+                   "an older qllm-sim? rerun the run)"]  # fmt: skip
+
+
 @pytest.mark.parametrize("make", [lambda p: p / "missing", lambda p: p])
 def test_report_on_a_missing_or_empty_dir_is_one_line(tmp_path, capsys, make):
     with pytest.raises(SystemExit) as exit_:
