@@ -36,7 +36,7 @@ from realrun.clock import WallClock
 from realrun.prompts import build_prompts
 from realrun.run import execute, warm_up
 from sim.app import CONF_DIR
-from sim.config import LengthConfig, LengthDist, WorkloadConfig, WorkloadKind
+from sim.config import LengthConfig, LengthDist, SloConfig, WorkloadConfig, WorkloadKind
 from sim.run import build_policy
 from sim.workloads import build_workload
 
@@ -62,7 +62,8 @@ def run_ours(runner, requests, prompts, slo, policy_name: str):
     out = execute(requests, prompts, Scheduler(policy, kv_capacity_tokens=10**9), runner, slo,
                   WallClock())  # fmt: skip
     s = out.summary
-    return s["throughput"]["tokens_per_s"], s["classes"]["all"]["ttft_s"]["mean"], out.result.tokens
+    tokens_per_s = s["throughput"]["output_tokens_per_s"]
+    return tokens_per_s, s["classes"]["all"]["ttft_s"]["mean"], out.result.tokens
 
 
 def run_hf(model, requests, prompts):
@@ -113,7 +114,7 @@ def main() -> None:
     runner = ModelRunner(model)
     requests, prompts = requests_for(args, info.shape.vocab_size)
     warm_up(runner, max(r.prompt_tokens for r in requests))
-    slo = OmegaConf.create({"ls_ttft_s": 3.0, "be_ttft_s": None})
+    slo = SloConfig()
     print(f"{info.name} on {info.device}: {len(requests)} requests, "
           f"{'all at t=0' if not args.rate else f'{args.rate}/s'}")  # fmt: skip
     ours_tps, ours_ttft, ours_tokens = run_ours(runner, requests, prompts, slo, args.policy)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,16 @@ class Sequence:
     finish_s: float | None = None
     preemptions: int = 0
     scheduled_s: float | None = None  # first time the sequence entered an executing batch
+    last_token_s: float | None = None
+    # the gap before each token after the first (inter-token latency), float32: 4 bytes a token
+    # rather than a list of times (32 bytes a token), since 1M requests x 500 tokens is common
+    token_gaps_s: array = field(default_factory=lambda: array("f"))
+
+    def record_token(self, now: float) -> None:
+        """Note that a token was produced at ``now`` (called once per token, by the scheduler)."""
+        if self.last_token_s is not None:
+            self.token_gaps_s.append(now - self.last_token_s)
+        self.last_token_s = now
 
     @property
     def id(self) -> int:

@@ -157,6 +157,7 @@ class Scheduler:
         finished = []
         for seq in batch.sequences:
             seq.generated += 1
+            seq.record_token(now)
             if seq.first_token_s is None:
                 seq.first_token_s = now
             if seq.done:

@@ -93,7 +93,9 @@ class PolicyConfig:
 @dataclass
 class SloConfig:
     ls_ttft_s: float = 3.0
-    be_ttft_s: float | None = None  # null: BE has no SLO (counted as met)
+    be_ttft_s: float | None = None  # null: BE has no TTFT SLO
+    ls_tpot_s: float | None = None  # time per output token; null: none (goodput ignores it)
+    be_tpot_s: float | None = None
 
 
 @dataclass
@@ -168,6 +170,9 @@ def validate(cfg: Any) -> None:
         "must be >= 1",
     )
     need(slo.ls_ttft_s > 0, "slo.ls_ttft_s", slo.ls_ttft_s, "must be > 0 seconds")
+    for key in ("be_ttft_s", "ls_tpot_s", "be_tpot_s"):
+        value = getattr(slo, key, None)
+        need(value is None or value > 0, f"slo.{key}", value, "must be > 0 seconds or null")
     c = getattr(cfg, "cluster", None)
     if c is not None:
         from sim.cluster import ROUTERS

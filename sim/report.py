@@ -5,7 +5,7 @@ a crashed or unfinished run has none and is left out). Writes, under ``<sweep>/r
 ``--out``):
 
 - ``table.csv``: one row per run and class (LS, BE, all): the varied settings (policy, rate,
-  seed, ...) and the summary's metrics, plus ``ttft_max_s`` from ``requests.parquet``;
+  seed, ...) and every metric of the run's ``summary.json``;
 - ``fig2_ls_ttft_vs_rate.png`` (the paper's Fig. 2: LS TTFT with the SLO line, and SLO
   attainment), ``fig3_throughput_vs_rate.png`` (Fig. 3), ``fig4_turnaround_vs_rate.png``
   (Fig. 4: LS and BE turnaround), ``ttft_cdf.png`` (TTFT CDFs per policy at a few rates).
@@ -28,11 +28,13 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from sim.metrics import STATS  # noqa: E402
+
 # Settings that identify a run; ``experiment`` is set by sim.reproduce, absent from sweeps.
 CONFIG_COLUMNS = ["experiment", "policy", "workload", "profile", "rate", "seed",
                   "num_requests", "max_output_tokens", "ls_fraction", "slo_ls_ttft_s"]  # fmt: skip
 CLASSES = ("LS", "BE", "all")
-STATS = ("mean", "p50", "p90", "p99")
+LATENCIES = ("ttft_s", "tpot_s", "itl_s", "turnaround_s")  # per class in summary.json
 POLICY_ORDER = ("fcfs", "iteration", "tgi-0.3", "priority", "alg1", "layer", "qllm")
 FIGURES = {
     "ls_ttft": "fig2_ls_ttft_vs_rate.png",
@@ -65,34 +67,23 @@ def run_settings(cfg) -> dict:
     }
 
 
-def summary_rows(settings: dict, summary: dict, requests: pd.DataFrame | None = None) -> list:
-    """One row per class (LS, BE, all) of one run: its settings and the summary's metrics.
-
-    ``ttft_max_s`` (the longest wait for a first token; BE starvation) needs the per-request
-    table and is NaN without it.
-    """
+def summary_rows(settings: dict, summary: dict) -> list:
+    """One row per class (LS, BE, all) of one run: its settings and every metric of its
+    summary: ``<metric>_<stat>_s`` for each latency (``ttft_p95_s``, ``itl_max_s``, ...), the
+    class's ``slo_attainment``, ``goodput`` and ``preemptions``, and the run's throughput,
+    makespan and counts (the same on the three rows)."""
     rows = []
     for cls in CLASSES:
         part = summary["classes"][cls]
         row = {**settings, "cls": cls, "count": part["count"]}
-        for metric in ("ttft_s", "turnaround_s", "tbt_s"):
+        for metric in LATENCIES:
             base = metric[: -len("_s")]
             for stat in STATS:
                 row[f"{base}_{stat}_s"] = part[metric][stat]
-        row["slo_attainment"] = part["slo_attainment"]
-        if requests is not None:
-            mine = requests if cls == "all" else requests[requests["cls"] == cls]
-            ttft = mine["ttft_s"]
-            row["ttft_max_s"] = float(ttft.max()) if ttft.notna().any() else np.nan
-        else:
-            row["ttft_max_s"] = np.nan
-        row.update(
-            jobs_per_s=summary["throughput"]["jobs_per_s"],
-            tokens_per_s=summary["throughput"]["tokens_per_s"],
-            makespan_s=summary["makespan_s"],
-            arrived=summary["arrived"],
-            completed=summary["completed"],
-        )
+        for key in ("slo_attainment", "goodput", "preemptions"):
+            row[key] = part[key]
+        row.update(summary["throughput"])
+        row.update({k: summary[k] for k in ("makespan_s", "arrived", "completed")})
         rows.append(row)
     return rows
 
@@ -129,11 +120,14 @@ def load_sweep(sweep_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         except Exception as e:  # noqa: BLE001  (any unreadable run is named, not a traceback)
             raise ReportError(f"{run}: unreadable run ({type(e).__name__}: {e})") from None
         settings["run_dir"] = str(run.relative_to(sweep_dir))
-        requests = None
         if (run / "requests.parquet").is_file():
             requests = pd.read_parquet(run / "requests.parquet", columns=["cls", "ttft_s"])
             frames.append(requests.assign(**settings))
-        rows += summary_rows(settings, summary, requests)
+        try:
+            rows += summary_rows(settings, summary)
+        except KeyError as e:
+            raise ReportError(f"{run}: summary.json has no {e} (written by an older qllm-sim? "
+                              "rerun the run)") from None  # fmt: skip
     table = tidy(pd.DataFrame(rows))
     requests = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return table, requests
@@ -254,7 +248,7 @@ def plot_throughput(table: pd.DataFrame, path: Path, title: str = "") -> Path:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     draw_lines(ax1, table, "all", "jobs_per_s")
     ax1.set(ylabel="throughput (jobs/s)", title=f"Throughput {title}")
-    draw_lines(ax2, table, "all", "tokens_per_s")
+    draw_lines(ax2, table, "all", "output_tokens_per_s")
     ax2.set(ylabel="throughput (output tokens/s)", title=f"Token throughput {title}")
     return finish(fig, (ax1, ax2), path)
 
@@ -324,12 +318,13 @@ def slo_of(table: pd.DataFrame, default: float = 3.0) -> float:
 
 
 def terminal_table(table: pd.DataFrame) -> str:
-    """A short table: mean LS TTFT, LS SLO attainment, BE turnaround and jobs/s per series
-    and rate (means over seeds)."""
+    """A short table: mean LS TTFT, LS SLO attainment, BE turnaround, BE p99 time per output
+    token (starvation shows there) and jobs/s per series and rate (means over seeds)."""
     cols = series_columns(table)
     parts = []
     for cls, value, name in (("LS", "ttft_mean_s", "ls_ttft_s"), ("LS", "slo_attainment",
                              "ls_slo"), ("BE", "turnaround_mean_s", "be_turnaround_s"),
+                             ("BE", "tpot_p99_s", "be_tpot_p99_s"),
                              ("all", "jobs_per_s", "jobs_per_s")):  # fmt: skip
         agg = over_seeds(table, cls, value).set_index([*cols, "rate"])["mean"].rename(name)
         parts.append(agg)

@@ -19,7 +19,7 @@ from sim.metrics import REQUEST_COLUMNS, write_outputs
 from sim.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
-STATS = {"mean", "p50", "p90", "p99"}
+STATS = {"mean", "std", "p50", "p90", "p95", "p99", "max"}
 
 
 def cfg(*overrides):
@@ -48,10 +48,14 @@ def test_run_writes_outputs_with_the_documented_schema(tmp_path):
     assert set(summary) == {"classes", "throughput", "makespan_s", "arrived", "completed",
                             "executor", "cluster", "config"}  # fmt: skip
     assert set(summary["classes"]) == {"LS", "BE", "all"}
+    latencies = {"ttft_s", "tpot_s", "itl_s", "turnaround_s"}
     for part in summary["classes"].values():
-        assert set(part) == {"count", "ttft_s", "turnaround_s", "tbt_s", "slo_attainment"}
-        assert set(part["ttft_s"]) == STATS == set(part["turnaround_s"]) == set(part["tbt_s"])
-    assert set(summary["throughput"]) == {"jobs_per_s", "tokens_per_s"}
+        assert set(part) == {"count", "slo_attainment", "goodput", "preemptions"} | latencies
+        assert all(set(part[m]) == STATS for m in latencies)
+    assert summary["classes"]["BE"]["slo_attainment"] is None  # BE has no SLO by default
+    assert set(summary["throughput"]) == {"jobs_per_s", "output_tokens_per_s",
+                                          "total_tokens_per_s", "goodput_jobs_per_s",
+                                          "steady_jobs_per_s"}  # fmt: skip
     assert set(summary["executor"]) == {"events", "wall_s"}
     assert summary["arrived"] == summary["completed"] == 60
     assert summary["classes"]["all"]["count"] == 60

@@ -68,15 +68,24 @@ def test_report_writes_a_tidy_table_and_the_figures(sweep, tmp_path, capsys):
     assert len(table) == len(POLICIES) * len(RATES) * len(SEEDS) * len(CLASSES)
     keys = set(zip(table.policy, table.rate, table.seed, table.cls, strict=True))
     assert keys == set(itertools.product(POLICIES, RATES, SEEDS, CLASSES))
-    for column in ("ttft_mean_s", "ttft_p99_s", "turnaround_mean_s", "slo_attainment",
-                   "ttft_max_s", "jobs_per_s", "tokens_per_s", "count"):  # fmt: skip
+    for column in ("ttft_mean_s", "ttft_std_s", "ttft_p95_s", "ttft_p99_s", "ttft_max_s",
+                   "tpot_p99_s", "itl_p99_s", "itl_max_s", "turnaround_mean_s", "preemptions",
+                   "jobs_per_s", "output_tokens_per_s", "total_tokens_per_s",
+                   "goodput_jobs_per_s", "steady_jobs_per_s", "count"):  # fmt: skip
         assert table[column].notna().all(), column
+    # BE has no SLO by default: no attainment, and `all` is LS's
+    for column in ("slo_attainment", "goodput"):
+        assert table.loc[table.cls == "BE", column].isna().all(), column
+        by_cls = table.pivot_table(index="run_dir", columns="cls", values=column)
+        assert (by_cls["all"] == by_cls["LS"]).all(), column
     # the row of one run and class carries that run's summary.json figures
     row = table[(table.policy == "qllm") & (table.rate == 4.0) & (table.seed == 1)
                 & (table.cls == "LS")].iloc[0]  # fmt: skip
     summary = json.loads((sweep / row.run_dir / "summary.json").read_text())
     assert row.ttft_mean_s == pytest.approx(summary["classes"]["LS"]["ttft_s"]["mean"])
     assert row.jobs_per_s == pytest.approx(summary["throughput"]["jobs_per_s"])
+    assert row.itl_p95_s == pytest.approx(summary["classes"]["LS"]["itl_s"]["p95"])
+    assert row.preemptions == summary["classes"]["LS"]["preemptions"]
     requests = pd.read_parquet(sweep / row.run_dir / "requests.parquet")
     assert row.ttft_max_s == pytest.approx(requests.loc[requests.cls == "LS", "ttft_s"].max())
     for name in FIGURES.values():
@@ -92,6 +101,21 @@ def test_report_leaves_out_runs_without_a_summary(sweep, tmp_path):
     table, requests = load_sweep(copy)
     assert table["run_dir"].nunique() == len(POLICIES) * len(RATES) * len(SEEDS) - 1
     assert crashed.name not in set(table["run_dir"]) | set(requests["run_dir"])
+
+
+def test_report_names_a_run_whose_summary_lacks_a_metric(sweep, tmp_path, capsys):
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep, copy)
+    old = next(copy.glob("*/summary.json"))
+    summary = json.loads(old.read_text())
+    del summary["classes"]["BE"]["itl_s"]  # as a summary.json from before itl_s existed
+    old.write_text(json.dumps(summary))
+    with pytest.raises(SystemExit) as exit_:
+        cli([str(copy), "--out", str(tmp_path / "report")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"qllm-report: error: {old.parent}: summary.json has no 'itl_s' (written by "
+                   "an older qllm-sim? rerun the run)"]  # fmt: skip
 
 
 @pytest.mark.parametrize("make", [lambda p: p / "missing", lambda p: p])

@@ -72,24 +72,12 @@ def run_task(exp_name: str, axis: dict, base_rate: float, replicate: int, cfgs: 
         settings = {"experiment": exp_name, **run_settings(cfg), "policy": label,
                     "replicate": replicate, "base_rate": base_rate}  # fmt: skip
         settings.update({k.split(".")[-1]: v for k, v in axis.items() if k != "profile"})
-        rows += with_request_stats(summary_rows(settings, out.summary, out.requests),
-                                   out.requests)  # fmt: skip
+        last_arrival_s = float(out.requests["arrival_s"].max())  # where the drain starts
+        rows += [{**row, "last_arrival_s": last_arrival_s}
+                 for row in summary_rows(settings, out.summary)]  # fmt: skip
         if exp_name == CDF_EXPERIMENT:
             frames.append(out.requests[["cls", "ttft_s"]].assign(**settings))
     return rows, frames
-
-
-def with_request_stats(rows: list[dict], requests: pd.DataFrame) -> list[dict]:
-    """Per class: preemptions suffered (sum over requests) and the p99 of the requests' time per
-    output token, where the summary does not already hold them."""
-    tpot = "tpot_s" if "tpot_s" in requests else "tbt_mean_s"
-    for row in rows:
-        row["last_arrival_s"] = float(requests["arrival_s"].max())
-        mine = requests if row["cls"] == "all" else requests[requests["cls"] == row["cls"]]
-        row.setdefault("preemptions", int(mine["preemptions"].sum()))
-        values = mine[tpot].dropna()
-        row.setdefault("tpot_p99_s", float(np.percentile(values, 99)) if len(values) else np.nan)
-    return rows
 
 
 def run_grid(experiments: list[Experiment], seeds: int | None = None, rates=None,

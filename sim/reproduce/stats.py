@@ -19,7 +19,11 @@ THROUGHPUT = "steady_jobs_per_s"  # throughput without warm-up and drain, where 
 
 
 def throughput_column(table: pd.DataFrame) -> str:
-    return THROUGHPUT if THROUGHPUT in table and table[THROUGHPUT].notna().any() else "jobs_per_s"
+    """The steady-state throughput where every run has one (a run too short to complete a
+    request inside its steady window has none), else completions per second of makespan."""
+    steady = table[THROUGHPUT] if THROUGHPUT in table else None
+    ok = steady is not None and bool((steady.fillna(0) > 0).all())
+    return THROUGHPUT if ok else "jobs_per_s"
 
 
 def matrix(table: pd.DataFrame, arm: str, cls: str, value: str) -> pd.DataFrame:
