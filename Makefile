@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint format reproduce bench clean
+.PHONY: venv demo test lint format reproduce validate bench clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ demo: venv
 # The paper's experiment and what lies beyond it -> results/paper/ (about 2 minutes on 2 cores).
 reproduce: venv
 	$(BIN)/python -m sim.reproduce
+
+# Simulator vs real engine on this machine -> the curated results/validation/<model>-<device>/
+# (a plain `qllm-validate` writes results/validation-runs/ instead).
+validate: venv
+	$(BIN)/qllm-validate out_dir=results/validation
 
 test: venv
 	$(BIN)/ruff check .

@@ -1,13 +1,21 @@
-"""The reference data ships inside the repository, with its licences, and nothing reads a path
-outside the clone (a `../shared` that exists only on the development machine)."""
+"""What a fresh clone anywhere needs: the reference data ships inside the repository with its
+licences, nothing reads a path outside the clone (a `../shared` that exists only on the
+development machine), and no command's default output overwrites a tracked file."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+import realrun.app  # noqa: F401  (registers the realrun schema with Hydra)
+import realrun.validate  # noqa: F401  (registers the validate schema)
+from sim.app import CONF_DIR
 from sim.config import Arrival, WorkloadConfig, WorkloadKind
 from sim.workloads import build_workload
 
@@ -58,3 +66,41 @@ def test_nothing_reads_outside_the_clone():
         if pattern.search(line)
     ]  # fmt: skip
     assert not offenders
+
+
+def tracked(path: str) -> list[str]:
+    done = subprocess.run(["git", "ls-files", "--", path], cwd=ROOT, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return done.stdout.split()
+
+
+def default_output(config: str, key: str) -> str:
+    """Where a command writes by default: its config's key, up to the first interpolation
+    (a date or time, different on every run)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config, return_hydra_config=True)
+    value = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+    if value is None:  # an interpolation only Hydra's runtime resolves: read it raw
+        value = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            value = value[part]
+    return str(value).split("${")[0]
+
+
+@pytest.mark.parametrize("config, key", [
+    ("validate", "out_dir"),  # qllm-validate (`make validate` writes the curated folder)
+    ("profiler", "output.dir"),  # qllm-profile
+    ("config", "hydra.run.dir"),  # qllm-sim
+    ("config", "hydra.sweep.dir"),  # qllm-sim -m
+    ("realrun", "hydra.run.dir"),  # qllm-realrun
+    ("realrun", "hydra.sweep.dir"),  # qllm-realrun -m
+])  # fmt: skip
+def test_default_outputs_overwrite_no_tracked_file(config, key):
+    out = default_output(config, key)
+    assert out.startswith("results/") and out.rstrip("/") != "results", out
+    assert tracked(out) == [], f"{config}.yaml {key}={out} holds tracked files"
+
+
+def test_curated_results_are_tracked():
+    # the check above means something only if git sees the curated folders
+    assert tracked("results/validation") and tracked("results/paper")
