@@ -256,9 +256,32 @@ def test_launcher_config_composes_with_the_app(launcher, target, key):
     assert cfg.policy.name == "qllm"  # the app's own config is untouched
 
 
-def test_ray_launcher_config_composes_when_the_plugin_is_installed():
-    pytest.importorskip("hydra_plugins.hydra_ray_launcher")
+def test_ray_cluster_launcher_config_composes():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["hydra/launcher=ray_cluster"],
                       return_hydra_config=True)  # fmt: skip
     assert cfg.hydra.launcher._target_.endswith("RayLauncher")
+    assert cfg.hydra.launcher.ray.remote.num_cpus == 1
+
+
+def test_ray_launcher_runs_a_sweep_on_a_local_ray(tmp_path):
+    """hydra-ray-launcher (a dependency) runs a tiny multirun on a throwaway local Ray instance
+    (about 25 s, mostly Ray's start); each run holds what the default launcher computes."""
+    args = ["-m", "policy=iteration,qllm", "workload=synthetic", "workload.num_requests=16",
+            "workload.rate=4"]  # fmt: skip
+    ray = qllm_sim(*args, "hydra/launcher=ray", "+hydra.launcher.ray.init.num_cpus=2",
+                   "+hydra.launcher.ray.init.include_dashboard=false",
+                   f"hydra.sweep.dir={tmp_path / 'ray'}")  # fmt: skip
+    assert ray.returncode == 0, ray.stderr[-3000:]
+    assert "Ray Launcher is launching 2 jobs" in ray.stdout + ray.stderr
+    basic = qllm_sim(*args, f"hydra.sweep.dir={tmp_path / 'basic'}")
+    assert basic.returncode == 0, basic.stderr[-3000:]
+    runs = sorted(p.parent.name for p in (tmp_path / "ray").glob("*/summary.json"))
+    assert runs == sorted(p.parent.name for p in (tmp_path / "basic").glob("*/summary.json"))
+    assert len(runs) == 2
+    for run in runs:
+        got, want = (json.loads((tmp_path / where / run / "summary.json").read_text())
+                     for where in ("ray", "basic"))  # fmt: skip
+        for summary in (got, want):
+            summary["executor"].pop("wall_s", None)  # the only figure that is not deterministic
+        assert got == want, run
