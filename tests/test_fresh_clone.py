@@ -4,8 +4,11 @@ development machine), and no command's default output overwrites a tracked file.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -104,3 +107,41 @@ def test_default_outputs_overwrite_no_tracked_file(config, key):
 def test_curated_results_are_tracked():
     # the check above means something only if git sees the curated folders
     assert tracked("results/validation") and tracked("results/paper")
+
+
+def test_in_ci_a_skip_fails_unless_the_test_needs_a_gpu(tmp_path):
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_skips.py").write_text(
+        "import pytest\n"
+        "def test_runs(): pass\n"
+        "@pytest.mark.gpu\n"
+        "@pytest.mark.skipif(True, reason='needs a CUDA device')\n"
+        "def test_on_gpu(): pass\n"
+        "@pytest.mark.xfail(reason='known')\n"
+        "def test_known_bug(): assert False\n"
+        "@pytest.mark.skipif(True, reason='data not found')\n"
+        "def test_needs_data(): pass\n"
+        "def test_needs_plugin(): pytest.importorskip('no_such_plugin')\n"
+    )
+    (tmp_path / "test_module_skip.py").write_text(
+        "import pytest\npytest.importorskip('no_such_plugin')\ndef test_x(): pass\n"
+    )
+
+    def pytest_run(ci: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "CI": ci}
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
+             "--continue-on-collection-errors", "--rootdir", str(tmp_path),
+             "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    ci = pytest_run("true")
+    assert ci.returncode == 1, ci.stdout
+    failed = {line.split()[1].split("::")[-1] for line in ci.stdout.splitlines()
+              if line.startswith(("FAILED", "ERROR"))}  # fmt: skip
+    assert failed == {"test_needs_data", "test_needs_plugin", "test_module_skip.py"}, ci.stdout
+    assert "only tests marked gpu may skip" in ci.stdout
+    assert "1 passed" in ci.stdout and "1 skipped" in ci.stdout and "1 xfailed" in ci.stdout
+    local = pytest_run("")  # outside CI a skip stays a skip
+    assert local.returncode == 0, local.stdout
