@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint format reproduce bench clean test-tf517 gpu-bundle gpu-check-dry
+.PHONY: venv demo test lint format reproduce validate bench clean test-tf517 gpu-bundle gpu-check-dry
 
 venv: $(STAMP)
 
@@ -20,9 +20,14 @@ $(STAMP): pyproject.toml Makefile
 demo: venv
 	$(BIN)/python -m sim.demo
 
-# The paper's experiment and what lies beyond it -> results/paper/ (about 2 minutes on 2 cores).
+# The paper's experiment and what lies beyond it -> results/paper/ (about 40 s on 2 idle cores).
 reproduce: venv
 	$(BIN)/python -m sim.reproduce
+
+# Simulator vs real engine on this machine -> the curated results/validation/<model>-<device>/
+# (a plain `qllm-validate` writes results/validation-runs/ instead).
+validate: venv
+	$(BIN)/qllm-validate out_dir=results/validation
 
 test: venv
 	$(BIN)/ruff check .

@@ -25,9 +25,9 @@ runs bitsandbytes' gemv kernel on the packed weights; on more tokens it dequanti
 to fp16 (one streaming kernel) and runs an fp16 GEMM.
 
 The A100 efficiency factors are fitted (see ``A100_FIT``) to measured A100 op times from the
-Vidur project's profiling data (Microsoft, MIT licence); ``python -m profiler.analytic --check
-<csv>`` compares the model with such a file, ``--fit <csv>`` refits, ``--write`` regenerates
-the built-in profiles in ``sim/profiles``.
+Vidur project's profiling data (Microsoft, MIT licence), shipped in ``data/a100-measured/``;
+``python -m profiler.analytic --check [csv]`` compares the model with that file (or another),
+``--fit [csv]`` refits, ``--write`` regenerates the built-in profiles in ``sim/profiles``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ FP16_BYTES = 2
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 CREATED = "2026-11-30"  # fixed, so that --write is reproducible byte for byte
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "sim" / "profiles"
+# The A100 measurements the fit uses, shipped in the repository with their licence.
+MEASURED_CSV = Path(__file__).resolve().parents[1] / "data/a100-measured/llama3-8b-shape-mlp.csv"
 
 
 # ------------------------------------------------------------------------------- hardware
@@ -706,8 +708,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = __doc__.split("\n\n")[0]
     ap = argparse.ArgumentParser(prog="python -m profiler.analytic", description=summary)
     g = ap.add_mutually_exclusive_group(required=True)
-    g.add_argument("--check", metavar="CSV", help="compare the A100 model with measured op times")
-    g.add_argument("--fit", metavar="CSV", help="refit the A100 efficiencies and print them")
+    default = f"(default: {MEASURED_CSV.relative_to(MEASURED_CSV.parents[2])})"
+    g.add_argument("--check", metavar="CSV", nargs="?", const=str(MEASURED_CSV),
+                   help=f"compare the A100 model with measured op times {default}")  # fmt: skip
+    g.add_argument("--fit", metavar="CSV", nargs="?", const=str(MEASURED_CSV),
+                   help=f"refit the A100 efficiencies and print them {default}")  # fmt: skip
     g.add_argument("--write", action="store_true", help="write the built-in profiles")
     ap.add_argument("--out", default=str(PROFILES_DIR), help="directory for --write")
     args = ap.parse_args(argv)
