@@ -51,9 +51,9 @@ def sweep(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def paper_results(tmp_path_factory) -> Path:
-    """sim.reproduce on a tiny grid (two experiments, two rates, one seed, 30 jobs)."""
+    """sim.reproduce on a tiny grid (two experiments, two rates, two replicates, 30 jobs)."""
     out = tmp_path_factory.mktemp("paper")
-    code = reproduce.main(["--out", str(out), "--rates", "1", "4", "--seeds", "0",
+    code = reproduce.main(["--out", str(out), "--rates", "1", "4", "--seeds", "2",
                            "--num-requests", "30", "--experiments", "paper", "uncapped",
                            "--jobs", "1"])  # fmt: skip
     assert code == 0
@@ -149,8 +149,9 @@ def _table(ttft: dict, *, ls_turn=None, be_turn=None, jobs=None, attain=None) ->
     rows = []
     for policy, values in ttft.items():
         for i, (rate, value) in enumerate(values.items()):
-            for seed in (0, 1):
-                common = {"experiment": "paper", "policy": policy, "rate": rate, "seed": seed}
+            for replicate in (0, 1):
+                common = {"experiment": "paper", "policy": policy, "rate": rate,
+                          "replicate": replicate}  # fmt: skip
                 rows.append(
                     {
                         **common,
@@ -192,6 +193,20 @@ def test_comparison_keys_on_a_hand_made_table():
     assert set(c["per_rate"]) == {"1", "2", "3"}
 
 
+def test_paired_bootstrap_interval_spans_the_resampled_means():
+    # one rate, two replicates: baseline LS TTFT 6 and 8 s, qllm 1 s in both. A resample's
+    # ratio of means is 6, 7 or 8 (probabilities 1/4, 1/2, 1/4): the 95% interval is [6, 8]
+    # and the point estimate 7.
+    ttft = {"iteration": {1.0: 0.0}, "qllm": {1.0: 1.0}}
+    table = _table(ttft)
+    base = (table["policy"] == "iteration") & (table["cls"] == "LS")
+    table.loc[base, "ttft_mean_s"] = [6.0, 8.0]
+    c = compare(table)
+    assert c["ls_ttft_reduction_avg"] == pytest.approx(7.0)
+    assert c["ci95"]["ls_ttft_reduction_avg"] == pytest.approx([6.0, 8.0])
+    assert c["per_rate"]["1"]["ls_ttft_reduction_ci95"] == pytest.approx([6.0, 8.0])
+
+
 def test_slo_max_rate_is_the_end_of_the_first_run_of_met_rates():
     assert slo_max_rate(pd.Series({1.0: True, 2.0: False, 3.0: True})) == 1.0
     assert slo_max_rate(pd.Series({3.0: True, 1.0: True, 2.0: True})) == 3.0
@@ -205,9 +220,20 @@ def test_reproduce_writes_the_paper_directory(paper_results):
     assert c["ls_ttft_reduction_avg"] > 1 and "uncapped" in c["sensitivity"]
     table = pd.read_csv(paper_results / "table.csv")
     assert set(table["experiment"]) == {"paper", "uncapped"}
-    assert set(table.loc[table.experiment == "paper", "policy"]) == set(reproduce.GRANULARITIES)
+    arms = {a.label for e in reproduce.EXPERIMENTS if e.name == "paper" for a in e.arms}
+    assert set(table.loc[table.experiment == "paper", "policy"]) == arms
+    # every point is its own workload: no two (rate, replicate) points share a seed
+    points = table.loc[table.experiment == "paper"].drop_duplicates(["rate", "replicate"])
+    assert points["seed"].is_unique
+    # the README states the measured figure with its interval, as comparison.json holds them
+    lo, hi = c["ci95"]["ls_ttft_reduction_avg"]
+    assert lo <= c["ls_ttft_reduction_avg"] <= hi
     readme = (paper_results / "README.md").read_text()
-    assert "65.5x" in readme and "| LS TTFT reduction, average over rates |" in readme
+    row = next(line for line in readme.splitlines()
+               if line.startswith("| LS TTFT reduction, average over rates |"))  # fmt: skip
+    assert (
+        f"{c['ls_ttft_reduction_avg']:.2f}x" in row or f"{c['ls_ttft_reduction_avg']:.1f}x" in row
+    )
     for name in [*FIGURES.values(), "granularity.png", "sensitivity.png"]:
         assert (paper_results / name).is_file(), name
 

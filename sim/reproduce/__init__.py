@@ -34,7 +34,8 @@ from sim.reproduce.experiments import (
 )
 from sim.reproduce.stats import compare, slo_max_rate
 
-__all__ = ["BASELINE", "GRANULARITIES", "OURS", "PAPER", "compare", "main", "slo_max_rate"]
+__all__ = ["BASELINE", "EXPERIMENTS", "GRANULARITIES", "OURS", "PAPER", "compare", "main",
+           "slo_max_rate"]  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -57,10 +57,10 @@ class Paired:
 
     def __init__(self, table: pd.DataFrame, arms: list[str], seed: int = 0) -> None:
         self.table = table
-        first = matrix(table, arms[0], "all", "count")
-        self.rates = first.index.to_numpy(dtype=float)
-        self.reps = first.columns.to_numpy()
-        r, s = first.shape
+        part = table[table["policy"].isin(arms)]
+        self.rates = np.array(sorted(part["rate"].unique()), dtype=float)
+        self.reps = np.array(sorted(part["replicate"].unique()))
+        r, s = len(self.rates), len(self.reps)
         rng = np.random.default_rng(seed)
         self.draw = rng.integers(0, s, size=(BOOTSTRAP, r, s))
 
