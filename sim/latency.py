@@ -12,6 +12,8 @@ boundaries allow preemption depends on the policy's granularity (``Plan.preempti
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -93,20 +95,33 @@ class Curve2D:
 class RoutingModel:
     """Tokens each expert receives in each layer.
 
-    Each of the T tokens picks top_k experts; the per-layer count vector is drawn as a
-    multinomial of T * top_k assignments over the layer's expert-load distribution, each count
-    capped at T (a token cannot pick one expert twice; this drops the rare duplicate draws).
-    ``uniform`` (default): every expert equally likely; ``zipf``: load proportional to
-    1 / rank^skew with a random expert order per layer; ``profile``: the measured expert load
-    stored in the profile.
+    Each of the T tokens picks top_k DISTINCT experts, sequentially without replacement
+    (Plackett-Luce: the next pick follows the weights of the experts not yet picked), the
+    tokens independent of each other. ``uniform`` (default): every expert equally likely;
+    ``zipf``: load proportional to 1 / rank^skew with a random expert order per layer;
+    ``profile``: the measured expert load stored in the profile (each expert's share of the
+    layer's token-to-expert assignments).
 
-    Drawing 32 layers of counts costs ~20 us, more than the rest of an iteration's planning, so
-    for small token counts (decode batches) the model draws ``pool_size`` samples per token
-    count once and then picks one of them at random for each iteration (a bootstrap of the
+    When the ordered top-k tuples are few (``num_experts! / (num_experts - top_k)!`` at most
+    ``MAX_TUPLES``; Mixtral's 8 experts, top-2: 56), a token's expert SET is one of the
+    C(E, k) subsets with probabilities computed exactly, so a layer's counts are one multinomial
+    draw of T tokens over the subsets times the subsets' incidence matrix: exact, and as cheap
+    for a 4,096-token prefill as for one token. The Plackett-Luce weights are then fitted so
+    that each expert's expected share of assignments equals its load (a layer in which one
+    expert's load reaches 1/k cannot be met, since no token picks an expert twice, and keeps
+    its load as the weights). Larger expert sets draw
+    Gumbel-top-k per token with the load as weights (shares then only approximately the load
+    when it is skewed).
+
+    Even so, drawing 32 layers of counts costs more than the rest of an iteration's planning,
+    so for small token counts (decode batches) the model keeps ``pool_size`` samples per token
+    count (``pool``) and picks one of them at random for each iteration (a bootstrap of the
     same distribution). Larger token counts (prefills) are drawn fresh every time.
     """
 
     POOLED_MAX_TOKENS = 64
+    MAX_TUPLES = 5040  # 10 experts top-4, or 71 experts top-2
+    FIT_ITERATIONS = 200
 
     def __init__(
         self,
@@ -135,15 +150,90 @@ class RoutingModel:
         else:
             raise ValueError(f"unknown routing mode {mode!r}")
         self.load = load / load.sum(axis=1, keepdims=True)
+        if int(np.min(np.count_nonzero(self.load, axis=1))) < top_k:
+            raise ValueError(f"every layer needs at least top_k={top_k} experts with load > 0")
+        self.subset_p: np.ndarray | None = None  # (num_layers, C(E, k)), the exact path
+        self._pools: list[np.ndarray] = []
+        if math.perm(num_experts, top_k) <= self.MAX_TUPLES:
+            subsets = list(itertools.combinations(range(num_experts), top_k))
+            self.incidence = np.zeros((len(subsets), num_experts), dtype=np.int64)
+            for i, s in enumerate(subsets):
+                self.incidence[i, list(s)] = 1
+            self.subset_p = self._fit_subsets(subsets)
+            # layer l's CDF over the subsets, shifted to [l, l + 1]: one sorted array for all
+            cdf = np.cumsum(self.subset_p, axis=1)
+            cdf[:, -1] = 1.0
+            self._flat_cdf = (cdf + np.arange(num_layers)[:, None]).ravel()
+        else:
+            with np.errstate(divide="ignore"):
+                self.log_load = np.log(self.load)
+
+    def _subset_probabilities(self, weights: np.ndarray, subsets: list[tuple]) -> np.ndarray:
+        """P(a token's top-k set is S) per layer: the sum over S's orderings of the
+        Plackett-Luce probability prod_j w[e_j] / (1 - sum_{i<j} w[e_i])."""
+        k = self.top_k
+        orders = np.array([o for s in subsets for o in itertools.permutations(s)])  # (P, k)
+        w = weights[:, orders]  # (L, P, k)
+        before = np.cumsum(w, axis=-1) - w
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.nan_to_num(np.prod(w / (1.0 - before), axis=-1))
+        return p.reshape(weights.shape[0], len(subsets), math.factorial(k)).sum(axis=-1)
+
+    def _fit_subsets(self, subsets: list[tuple]) -> np.ndarray:
+        """Subset probabilities whose expected shares of assignments match the load: fixed
+        point w <- w * load / share from w = load (exact at once for a uniform load), in the
+        layers whose load is feasible (every share below 1/k); others keep w = load."""
+        target, w = self.load, self.load.copy()
+        fit = target.max(axis=1) * self.top_k < 1.0 - 1e-3
+        p = self._subset_probabilities(w, subsets)
+        for _ in range(self.FIT_ITERATIONS):
+            share = p @ self.incidence / self.top_k
+            if not fit.any() or np.allclose(share[fit], target[fit], rtol=1e-9, atol=1e-12):
+                break
+            with np.errstate(divide="ignore", invalid="ignore"):
+                step = np.nan_to_num(target / share)
+            w[fit] *= step[fit]
+            w /= w.sum(axis=1, keepdims=True)
+            p = self._subset_probabilities(w, subsets)
+        return p / p.sum(axis=1, keepdims=True)
 
     def draw(self, num_tokens: int, size: int | None = None) -> np.ndarray:
-        """Fresh counts: shape (num_layers, num_experts), or (size, num_layers, num_experts)."""
-        shape = self.load.shape if size is None else (size, *self.load.shape)
-        pvals = np.broadcast_to(self.load, shape)
-        return np.minimum(self.rng.multinomial(num_tokens * self.top_k, pvals), num_tokens)
+        """Fresh counts: shape (num_layers, num_experts), or (size, num_layers, num_experts).
+        Every layer's counts sum to num_tokens * top_k, each at most num_tokens."""
+        if self.subset_p is not None:
+            shape = self.subset_p.shape if size is None else (size, *self.subset_p.shape)
+            picks = self.rng.multinomial(num_tokens, np.broadcast_to(self.subset_p, shape))
+            return picks @ self.incidence
+        n, (layers, experts) = (1 if size is None else size), self.load.shape
+        keys = self.rng.gumbel(size=(n, layers, num_tokens, experts)) + self.log_load[:, None]
+        top = np.argpartition(-keys, self.top_k - 1, axis=-1)[..., : self.top_k]
+        rows = np.arange(n * layers).repeat(num_tokens * self.top_k) * experts
+        counts = np.bincount(rows + top.ravel(), minlength=n * layers * experts)
+        counts = counts.reshape(n, layers, experts)
+        return counts[0] if size is None else counts
 
     def pooled(self, num_tokens: int) -> bool:
         return num_tokens <= self.POOLED_MAX_TOKENS and self.pool_size > 0
+
+    def pool(self, num_tokens: int) -> np.ndarray:
+        """``pool_size`` samples of counts for a pooled token count, shape (pool_size,
+        num_layers, num_experts). The pools are nested: the pool of n tokens is that of n - 1
+        tokens plus one fresh token per sample, so every pool is an exact sample and building
+        all of them up to n costs n single-token draws."""
+        pools = self._pools
+        while len(pools) < num_tokens:  # pools[i] holds i + 1 tokens
+            one = self._one_token()
+            pools.append(one if not pools else pools[-1] + one)
+        return pools[num_tokens - 1]
+
+    def _one_token(self) -> np.ndarray:
+        """One token's picks in every layer of every pool sample (inverse CDF over subsets)."""
+        if self.subset_p is None:
+            return self.draw(1, size=self.pool_size)
+        layers, subsets = self.subset_p.shape
+        u = self.rng.random((self.pool_size, layers)) + np.arange(layers)
+        index = np.searchsorted(self._flat_cdf, u, side="right") - np.arange(layers) * subsets
+        return self.incidence[np.minimum(index, subsets - 1)]
 
     def pick(self) -> int:
         return int(self.rng.integers(self.pool_size))
@@ -274,7 +364,7 @@ class LatencyModel:
             return counts, self._expert_times(counts)
         pool = self._pools.get(tokens)
         if pool is None:
-            counts = routing.draw(tokens, size=routing.pool_size)
+            counts = routing.pool(tokens)
             pool = self._pools[tokens] = (counts, self._expert_times(counts))
         i = routing.pick()
         return pool[0][i], pool[1][i]
