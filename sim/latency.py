@@ -7,6 +7,8 @@ An iteration of a batch is planned as a flat list of stages::
 An expert that received no token has a zero-length stage. ``Plan.offset(i)`` is the time at
 which stage i starts (boundary i); a batch's cursor is such a boundary index. Which
 boundaries allow preemption depends on the policy's granularity (``Plan.preemptible``).
+A suspended batch pays ``LatencyModel.switch_s`` (the profile's context-switch cost) when it
+resumes, before the stage at its cursor.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ from functools import cached_property
 import numpy as np
 
 from policies.core import Batch, Granularity, Phase
-from profiler.schema import OpPoint, Profile
+from profiler.schema import PREFILL_ATTENTION, OpPoint, Profile
 
 
 class Curve1D:
     """Piecewise-linear interpolation; linear extrapolation beyond the last point, clamped below
-    the first."""
+    the first. ``beyond`` is the largest input seen past the last point (None: none was), set
+    in the extrapolating branch only, to warn once per run."""
 
     def __init__(self, points: list[OpPoint], key: str) -> None:
+        self.op, self.key = (points[0].op if points else "?"), key
+        self.beyond: float | None = None
         table: dict[int, float] = {}
         for p in points:
             table[getattr(p, key)] = p.median_ms / 1e3
@@ -46,8 +51,18 @@ class Curve1D:
         x = np.asarray(x, dtype=float)
         y = np.interp(x, self.x, self.y)
         if x.size and x.max() > self.xs[-1]:
+            self._beyond(float(x.max()))
             y = np.where(x > self.xs[-1], self.ys[-1] + self.slope * (x - self.xs[-1]), y)
         return y
+
+    def _beyond(self, x: float) -> None:
+        if self.beyond is None or x > self.beyond:
+            self.beyond = x
+
+    def extrapolations(self) -> list[str]:
+        if self.beyond is None:
+            return []
+        return [f"{self.op} {self.key} up to {self.beyond:g} (grid ends at {self.xs[-1]:g})"]
 
     def scalar(self, x: float) -> float:
         """One point, memoised (the hot path asks for few distinct integers)."""
@@ -56,6 +71,8 @@ class Curve1D:
             xs, ys = self.xs, self.ys
             if x >= xs[-1]:
                 y = ys[-1] + self.slope * (x - xs[-1])
+                if x > xs[-1]:
+                    self._beyond(x)
             elif x <= xs[0]:
                 y = ys[0]
             else:
@@ -67,16 +84,25 @@ class Curve1D:
 
 
 class Curve2D:
-    """Bilinear interpolation on a (batch_size, kv_tokens) grid: interpolate along kv for each
-    measured batch size, then along batch size (clamped below the grid, extrapolated linearly
-    and never downwards above it)."""
+    """Bilinear interpolation on a (batch_size, ``key``) grid: interpolate along ``key`` for
+    each measured batch size, then along batch size (clamped below the grid, extrapolated
+    linearly and never downwards above it)."""
 
-    def __init__(self, points: list[OpPoint]) -> None:
+    def __init__(self, points: list[OpPoint], key: str = "kv_tokens") -> None:
         by_batch: dict[int, list[OpPoint]] = {}
         for p in points:
             by_batch.setdefault(p.batch_size, []).append(p)
         self.batches = sorted(by_batch)
-        self.rows = [Curve1D(by_batch[b], "kv_tokens") for b in self.batches]
+        self.rows = [Curve1D(by_batch[b], key) for b in self.batches]
+        self.op = points[0].op if points else "?"
+        self.beyond_batch: float | None = None
+
+    def extrapolations(self) -> list[str]:
+        out = [line for row in self.rows for line in row.extrapolations()][-1:]
+        if self.beyond_batch is not None:
+            out.append(f"{self.op} batch_size up to {self.beyond_batch:g} "
+                       f"(grid ends at {self.batches[-1]})")  # fmt: skip
+        return out
 
     def __call__(self, batch_size: float, kv_tokens: float) -> float:
         ys = [row.scalar(kv_tokens) for row in self.rows]
@@ -88,6 +114,8 @@ class Curve2D:
         if batch_size <= x0:
             return y0
         if batch_size >= x1:  # beyond the grid: as Curve1D, never extrapolate downwards
+            if batch_size > x1 and (self.beyond_batch or 0) < batch_size:
+                self.beyond_batch = batch_size
             return y1 + max(y1 - y0, 0.0) * (batch_size - x1) / (x1 - x0)
         return y0 + (y1 - y0) * (batch_size - x0) / (x1 - x0)
 
@@ -331,9 +359,21 @@ def preemptible_boundaries(
 
 
 class LatencyModel:
-    """Plans iterations from a profile (per-layer op times) and a routing model."""
+    """Plans iterations from a profile (per-layer op times) and a routing model.
 
-    def __init__(self, profile: Profile, routing: RoutingModel | None = None) -> None:
+    ``prefill_attention`` (default: the profile's own) says how a prefill batch's attention is
+    costed: ``per_prompt``, the sum of ``attn_prefill`` over its prompts (one call per prompt,
+    as realrun's runner does), or ``batched``, ``attn_prefill_batch`` once on (prompts, total
+    tokens) (one call over the batch, as TGI and vLLM do). ``switch_s`` is the context-switch
+    cost a suspended batch pays when it resumes: the profile's ``preempt_switch`` at the batch's
+    new tokens, 0 for a profile without that op."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        routing: RoutingModel | None = None,
+        prefill_attention: str | None = None,
+    ) -> None:
         self.profile = profile
         m = profile.model
         self.num_layers = m.num_layers
@@ -344,10 +384,37 @@ class LatencyModel:
         self.expert = Curve1D(profile.op_points("expert"), "num_tokens")
         self.lm_head = Curve1D(profile.op_points("lm_head"), "batch_size")
         self.overhead = Curve1D(profile.op_points("step_overhead"), "batch_size")
+        self.prefill_attention = prefill_attention or profile.prefill_attention
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"must be one of {list(PREFILL_ATTENTION)}")
+        batch_points = profile.op_points("attn_prefill_batch")
+        if self.prefill_attention == "batched" and not batch_points:
+            raise ValueError(
+                f"profile {profile.name!r} has no attn_prefill_batch points; use per_prompt"
+            )
+        self.attn_prefill_batch = Curve2D(batch_points, "num_tokens") if batch_points else None
+        self.prefill_batched = self.prefill_attention == "batched"
+        switch_points = profile.op_points("preempt_switch")
+        self.switch = Curve1D(switch_points, "num_tokens") if switch_points else None
         self._pools: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def curves(self) -> list[Curve1D | Curve2D]:
+        curves = [self.attn_prefill, self.attn_decode, self.router, self.expert, self.lm_head]
+        curves += [self.overhead, self.attn_prefill_batch, self.switch]
+        return [c for c in curves if c is not None]
+
+    def extrapolations(self) -> list[str]:
+        """Every op this model has extrapolated beyond its profile grid so far, with the
+        largest input (empty when it never left the grids)."""
+        return [line for c in self.curves() for line in c.extrapolations()]
+
+    def switch_s(self, batch: Batch) -> float:
+        return self.switch.scalar(batch.new_tokens) if self.switch is not None else 0.0
 
     def attention_s(self, batch: Batch) -> float:
         if batch.phase is Phase.PREFILL:
+            if self.prefill_batched:
+                return self.attn_prefill_batch(batch.size, batch.new_tokens)
             return sum(self.attn_prefill.scalar(s.new_tokens) for s in batch.sequences)
         # decode attention runs on the batch's caches right-padded to the longest context
         kv = max(s.context_tokens for s in batch.sequences)

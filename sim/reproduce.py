@@ -69,7 +69,7 @@ PAPER_SETUP = {
     "policy.max_batch_size": "32",
     "slo.ls_ttft_s": str(SLO_S),
 }
-FAST_PROFILE = "a100-mixtral-fp16"
+FAST_PROFILE = "a100x2-mixtral-fp16"
 
 
 @dataclass(frozen=True)

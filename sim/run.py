@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,11 @@ def build_latency(cfg: Any, profile) -> LatencyModel:
                                seed=cfg.seed)  # fmt: skip
     except ValueError as e:
         raise UserError(f"profile.routing={mode}: {e}") from None
-    return LatencyModel(profile, routing)
+    prefill = cfg.profile.prefill_attention
+    try:
+        return LatencyModel(profile, routing, prefill_attention=prefill)
+    except ValueError as e:
+        raise UserError(f"profile.prefill_attention={prefill}: {e}") from None
 
 
 def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
@@ -92,6 +97,10 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
     finally:
         if bar:
             bar.close()
+    beyond = sim.latency.extrapolations()
+    if beyond:
+        print(f"warning: profile {profile.name}: extrapolated linearly beyond the grid: "
+              + "; ".join(beyond), file=sys.stderr)  # fmt: skip
     df, summary = outputs(result.sequences, result.makespan_s, result.events, result.wall_s,
                           cfg.slo)  # fmt: skip
     return RunOutput(df, summary, result)

@@ -18,7 +18,7 @@ from sim.latency import LatencyModel, RoutingModel
 ROOT = Path(__file__).resolve().parents[1]
 CSV = Path(__file__).resolve().parents[2] / "shared/data/a100-measured/llama3-8b-shape-mlp.csv"
 BUILTIN = ROOT / "sim" / "profiles"
-NAMES = ("a100-mixtral-fp16", "h100-mixtral-bf16", "h200-mixtral-bf16", "a100-mixtral-nf4-hf")
+NAMES = ("a100x2-mixtral-fp16", "h100x2-mixtral-bf16", "h200-mixtral-bf16", "a100-mixtral-nf4-hf")
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -147,8 +147,37 @@ def test_expert_at_one_token_is_memory_bound():
     assert compute <= float(lm.expert_ffn(4096)) <= 1.15 * compute  # compute bound
 
 
-def test_newer_gpus_decode_faster():
-    a100, h100, h200 = (mean_decode_s(load(n), 16, plans=10) for n in NAMES[:3])
-    assert h200 < h100 < a100
-    kv = [load(n).memory.kv_capacity_tokens for n in NAMES[:3]]
-    assert kv[0] == kv[1] == analytic.MIN_KV_TOKENS < kv[2]  # 93 GB of fp16 weights
+def test_more_bandwidth_decodes_faster():
+    """Decode at batch 16 is memory bound: 2 x A100 (4.1 TB/s) > H200 (4.8) > 2 x H100 (6.7)."""
+    a100x2, h100x2, h200 = (mean_decode_s(load(n), 16, plans=10) for n in NAMES[:3])
+    assert h100x2 < h200 < a100x2
+
+
+def weight_bytes_read(profile: Profile, active_experts: int) -> float:
+    """Weights a decode step must stream from memory: every layer's attention projections,
+    router gate and active experts, plus the lm_head (fp16 also in the nf4 profile)."""
+    m = profile.model
+    h, qd = m.hidden_size, m.num_attention_heads * m.head_dim
+    kvd = m.num_key_value_heads * m.head_dim
+    per_param = analytic.NF4_BYTES_PER_PARAM if "nf4" in profile.dtype else 2
+    layer = (2 * h * qd + 2 * h * kvd + active_experts * 3 * h * m.intermediate_size) * per_param
+    return m.num_layers * (layer + 2 * h * m.num_experts) + 2 * m.vocab_size * h
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_builtin_profile_is_physically_possible(name):
+    """The weights fit on the profile's GPUs next to its KV cache, and a decode step is not
+    faster than streaming the weights it reads at the GPUs' combined memory bandwidth."""
+    profile = load(name)
+    m, mem, extra = profile.model, profile.memory, profile.extra
+    tp, memory_bytes = extra["tensor_parallel"], extra["gpu_memory_gb"] * 1e9
+    all_weights = weight_bytes_read(profile, m.num_experts) + 2 * m.vocab_size * m.hidden_size
+    assert all_weights == pytest.approx(extra["weight_bytes"], rel=0.07)  # nf4: the paper's 22.9
+    assert extra["weight_bytes"] / tp < memory_bytes
+    assert extra["weight_bytes"] + mem.kv_capacity_tokens * mem.kv_bytes_per_token <= (
+        tp * memory_bytes
+    )
+    bandwidth = tp * extra["gpu_mem_bw_bytes_per_s"]
+    for batch, active in ((1, m.top_k), (64, m.num_experts)):  # 64 tokens: all 8, p > 1 - 1e-7
+        floor_s = weight_bytes_read(profile, active) / bandwidth
+        assert mean_decode_s(profile, batch, plans=5) >= floor_s, (batch, floor_s)
