@@ -41,7 +41,10 @@ op                        key columns (others are 0)     what was timed
                                                          so the model reads it at the max)
 ``router``                num_tokens                     post-attention norm + gate + top-k
 ``expert``                num_tokens                     one expert's FFN on n tokens,
-                                                         including gather and scatter-add
+                                                         including gather and scatter-add;
+                                                         n = 0 (optional): the stage of an
+                                                         expert that received no token
+                                                         (absent: 0)
 ``lm_head``               batch_size                     final norm + lm_head + greedy sampling
                                                          of one token per sequence
 ``step_overhead``         batch_size                     per-iteration framework cost:

@@ -382,6 +382,8 @@ class LatencyModel:
         self.attn_decode = Curve2D(profile.op_points("attn_decode"))
         self.router = Curve1D(profile.op_points("router"), "num_tokens")
         self.expert = Curve1D(profile.op_points("expert"), "num_tokens")
+        # an expert stage with no token: the profile's expert point at 0 tokens, if any
+        self.expert_idle_s = self.expert.ys[0] if self.expert.xs[0] == 0 else 0.0
         self.lm_head = Curve1D(profile.op_points("lm_head"), "batch_size")
         self.overhead = Curve1D(profile.op_points("step_overhead"), "batch_size")
         self.prefill_attention = prefill_attention or profile.prefill_attention
@@ -421,7 +423,7 @@ class LatencyModel:
         return self.attn_decode(batch.size, kv)
 
     def _expert_times(self, counts: np.ndarray) -> np.ndarray:
-        return np.where(counts > 0, self.expert(counts), 0.0)
+        return np.where(counts > 0, self.expert(counts), self.expert_idle_s)
 
     def experts(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """(token counts, stage times) of every expert in every layer for one iteration."""

@@ -18,7 +18,8 @@ from sim.latency import LatencyModel, RoutingModel
 ROOT = Path(__file__).resolve().parents[1]
 CSV = Path(__file__).resolve().parents[2] / "shared/data/a100-measured/llama3-8b-shape-mlp.csv"
 BUILTIN = ROOT / "sim" / "profiles"
-NAMES = ("a100x2-mixtral-fp16", "h100x2-mixtral-bf16", "h200-mixtral-bf16", "a100-mixtral-nf4-hf")
+NAMES = ("a100x2-mixtral-fp16", "h100x2-mixtral-bf16", "h200-mixtral-bf16", "a100-mixtral-nf4-hf",
+         "a100-mixtral-nf4-hf-expertcost")  # fmt: skip
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -115,6 +116,29 @@ def test_nf4_decode_iteration_within_paper_range_and_increasing():
         means.append(np.mean(times))
     assert np.all(np.diff(means) > 0), np.round(means, 4)
     assert means[0] < 0.32 and means[-1] > 0.38
+
+
+@pytest.mark.parametrize("size", [1, 8, 32])
+def test_loop_cost_placement_keeps_every_total_and_fills_the_expert_stages(size):
+    """Issue 12.3: the MoE loop cost in the router (default) or spread over the expert stages
+    (expertcost): the same iteration times (305 ms at batch 1, 393 ms at 32), but the experts
+    hold 9% or 87% of a layer at batch 1."""
+    shares, totals = [], []
+    for name in ("a100-mixtral-nf4-hf", "a100-mixtral-nf4-hf-expertcost"):
+        profile = load(name)
+        m = profile.model
+        lm = LatencyModel(profile, RoutingModel(m.num_layers, m.num_experts, m.top_k, seed=5))
+        plans = [lm.plan(decode_batch(size)) for _ in range(20)]
+        totals.append([p.total_s for p in plans])
+        p = plans[0]
+        shares.append(p.experts_s[0].sum() / (p.attention_s + p.router_s + p.experts_s[0].sum()))
+    np.testing.assert_allclose(totals[0], totals[1], rtol=1e-5)  # ops.csv keeps 6 digits
+    assert shares[1] > shares[0] + 0.3
+    if size == 1:
+        assert shares[0] < 0.15 and shares[1] > 0.8
+        assert np.mean(totals[0]) == pytest.approx(0.305, abs=0.001)
+    if size == 32:
+        assert np.mean(totals[0]) == pytest.approx(0.393, abs=0.002)
 
 
 def test_nf4_prefill_grows_with_tokens():
