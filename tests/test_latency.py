@@ -218,3 +218,14 @@ def test_without_the_op_preemption_is_free():
     # 64 tokens x 24,576 bytes, copied out and back (read + write each) at ~1.4 TB/s: ~4 us,
     # plus 2 kernel overheads and 200 us of host time
     assert LatencyModel(profile).switch_s(prefill(64)) == pytest.approx(222e-6, rel=0.05)
+
+
+def test_large_token_counts_sum_pool_samples_with_the_exact_spread():
+    """200 tokens (3 x 64 + 8): each expert's count has mean 200 x 2/8 = 50 and, a token
+    including a given expert with probability 1/4, variance 200 x 1/4 x 3/4 = 37.5 (drawing
+    400 assignments with replacement would give 400 x 1/8 x 7/8 = 43.75)."""
+    r = RoutingModel(32, 8, 2, seed=7)
+    counts = np.stack([r.summed(200) for _ in range(2000)])
+    assert np.all(counts.sum(axis=-1) == 400)
+    assert counts.mean() == pytest.approx(50, abs=0.1)
+    assert counts.var() == pytest.approx(37.5, rel=0.05)
