@@ -31,7 +31,7 @@ class Curve1D:
     in the extrapolating branch only, to warn once per run."""
 
     def __init__(self, points: list[OpPoint], key: str) -> None:
-        self.op, self.key = (points[0].op if points else "?"), key
+        self.op, self.key = points[0].op, key
         self.beyond: float | None = None
         table: dict[int, float] = {}
         for p in points:
@@ -94,7 +94,7 @@ class Curve2D:
             by_batch.setdefault(p.batch_size, []).append(p)
         self.batches = sorted(by_batch)
         self.rows = [Curve1D(by_batch[b], key) for b in self.batches]
-        self.op = points[0].op if points else "?"
+        self.op = points[0].op
         self.beyond_batch: float | None = None
 
     def extrapolations(self) -> list[str]:

@@ -205,3 +205,20 @@ def test_every_builtin_profile_is_physically_possible(name):
     for batch, active in ((1, m.top_k), (64, m.num_experts)):  # 64 tokens: all 8, p > 1 - 1e-7
         floor_s = weight_bytes_read(profile, active) / bandwidth
         assert mean_decode_s(profile, batch, plans=5) >= floor_s, (batch, floor_s)
+
+
+def test_tensor_parallel_allreduce_and_memory_by_hand():
+    """TP=2 on A100s: one all-reduce of one token's hidden state (4096 x 2 bytes) moves
+    2 x (2 - 1) / 2 x 8192 bytes at 300 GB/s x 0.8, plus 10 us; the KV cache gets what 2 x 72 GB
+    leave after 93.4 GB of weights."""
+    m = analytic.MIXTRAL_8X7B
+    tp2 = analytic.LayerModel(m, analytic.A100, tp=2)
+    assert float(tp2.allreduce(1)) == pytest.approx(8192 / 240e9 + 10e-6)
+    assert analytic.LayerModel(m, analytic.A100).allreduce(1) == 0.0
+    assert tp2.m.intermediate_size == 7168 and tp2.m.num_key_value_heads == 4
+    weights = analytic.weight_bytes_fp16(m)
+    assert weights == pytest.approx(93.4e9, rel=0.001)
+    mem = load("a100x2-mixtral-fp16").memory
+    assert mem.kv_capacity_tokens == int((2 * 80e9 * 0.9 - weights) // (2 * 32 * 8 * 128 * 2))
+    with pytest.raises(ValueError, match="no room"):
+        analytic.memory_for(m, 80, weights, tp=1)
