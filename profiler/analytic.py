@@ -24,6 +24,12 @@ hide behind neighbouring ops' host work. A 4-bit Linear on one token
 runs bitsandbytes' gemv kernel on the packed weights; on more tokens it dequantises the weight
 to fp16 (one streaming kernel) and runs an fp16 GEMM.
 
+A :class:`LayerModel` with ``tp`` > 1 splits the weights over tp GPUs (tensor parallelism) and
+adds the all-reduces over a stated interconnect; the built-in 16-bit profiles on 80 GB GPUs use
+2, since their 93.4 GB of weights fit no single one. Besides the per-layer ops, each profile
+carries a batched prefill-attention term (one call over all prompts of a batch) and the cost of
+a context switch (``preempt_switch``).
+
 The A100 efficiency factors are fitted (see ``A100_FIT``) to measured A100 op times from the
 Vidur project's profiling data (Microsoft, MIT licence); ``python -m profiler.analytic --check
 <csv>`` compares the model with such a file, ``--fit <csv>`` refits, ``--write`` regenerates
