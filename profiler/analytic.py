@@ -24,6 +24,12 @@ hide behind neighbouring ops' host work. A 4-bit Linear on one token
 runs bitsandbytes' gemv kernel on the packed weights; on more tokens it dequantises the weight
 to fp16 (one streaming kernel) and runs an fp16 GEMM.
 
+A :class:`LayerModel` with ``tp`` > 1 splits the weights over tp GPUs (tensor parallelism) and
+adds the all-reduces over a stated interconnect; the built-in 16-bit profiles on 80 GB GPUs use
+2, since their 93.4 GB of weights fit no single one. Besides the per-layer ops, each profile
+carries a batched prefill-attention term (one call over all prompts of a batch) and the cost of
+a context switch (``preempt_switch``).
+
 The A100 efficiency factors are fitted (see ``A100_FIT``) to measured A100 op times from the
 Vidur project's profiling data (Microsoft, MIT licence), shipped in ``data/a100-measured/``;
 ``python -m profiler.analytic --check [csv]`` compares the model with that file (or another),
@@ -81,6 +87,10 @@ class Hardware:
     wide_tile_tokens: int = 128
     wide_tile_tokens_large: int = 192
     wide_large_from: int = 512
+    # GPU-to-GPU link for tensor parallelism: bytes/s per direction per GPU, and the fixed
+    # cost of one all-reduce (NCCL's small-message latency).
+    link_bw: float = 0.0
+    allreduce_latency_s: float = 0.0
 
 
 # Fitted to the Vidur project's A100 profiling data (github.com/microsoft/vidur, MIT licence):
@@ -99,13 +109,17 @@ A100_FIT = {
 ATTENTION_EFF = Efficiency(compute=0.5, memory=0.75, overhead_s=5e-06)
 
 
-def _hardware(name: str, peak_flops: float, mem_bw: float, memory_gb: float) -> Hardware:
+def _hardware(
+    name: str, peak_flops: float, mem_bw: float, memory_gb: float, link_bw: float
+) -> Hardware:
     """A GPU with the A100-fitted efficiencies (an assumption for other GPUs)."""
     return Hardware(
         name=name,
         peak_flops=peak_flops,
         mem_bw=mem_bw,
         memory_gb=memory_gb,
+        link_bw=link_bw,
+        allreduce_latency_s=ALLREDUCE_LATENCY_S,
         gemm=A100_FIT["gemm"],
         proj=A100_FIT["proj"],
         elementwise=A100_FIT["elementwise"],
@@ -114,9 +128,14 @@ def _hardware(name: str, peak_flops: float, mem_bw: float, memory_gb: float) -> 
     )
 
 
-A100 = _hardware("NVIDIA A100 80GB SXM", 312e12, 2.039e12, 80)
-H100 = _hardware("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 80)
-H200 = _hardware("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 141)
+# NVLink bandwidth per direction per GPU (NVLink 3: 600 GB/s both directions, NVLink 4: 900),
+# of which an all-reduce reaches LINK_EFFICIENCY (NCCL's bus bandwidth on large messages), and
+# a fixed cost per all-reduce: assumptions, not measured here.
+LINK_EFFICIENCY = 0.8
+ALLREDUCE_LATENCY_S = 10e-6
+A100 = _hardware("NVIDIA A100 80GB SXM", 312e12, 2.039e12, 80, 300e9)
+H100 = _hardware("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 80, 450e9)
+H200 = _hardware("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 141, 450e9)
 HARDWARE = {"a100": A100, "h100": H100, "h200": H200}
 
 MIXTRAL_8X7B = ModelShape(
@@ -156,6 +175,16 @@ class Execution:
     # Attention as Hugging Face eager runs it: per-sequence caches stacked into one batch tensor
     # and repeat_kv before SDPA (extra KV traffic); False: one fused kernel reading the cache.
     eager_attention: bool = False
+    # Host side of a context switch (preempt_switch): stopping the iteration at a boundary,
+    # keeping its state and re-entering the stage loop later. An assumption.
+    switch_host_s: float = 0.0
+    # Where the MoE block's loop cost (host_layer_s plus one synchronisation per expert) is
+    # charged: the fraction 1 - loop_in_experts to the router stage, loop_in_experts spread
+    # evenly over the layer's expert stages, every expert's stage, with tokens or not (Hugging
+    # Face's eager loop visits each expert: a torch.where and a synchronisation), added after
+    # the op's max(host, device) (a synchronisation drains the queue: no overlap). Per-layer
+    # totals do not depend on it; what preempting between experts can save does.
+    loop_in_experts: float = 0.0
 
 
 # Kernels and quantised Linear calls per op in Hugging Face eager Mixtral (approximate counts:
@@ -163,7 +192,9 @@ class Execution:
 EAGER_KERNELS = {"attention": 28, "router": 20, "expert": 7, "lm_head": 10, "step": 12}
 EAGER_LINEARS = {"attention": 4, "router": 1, "expert": 3, "lm_head": 0, "step": 0}
 
-ENGINE = Execution(name="engine", weights="fp16", step_s=1.5e-3, step_seq_s=10e-6)
+ENGINE = Execution(
+    name="engine", weights="fp16", step_s=1.5e-3, step_seq_s=10e-6, switch_host_s=50e-6
+)
 
 # Calibrated to the QLLM paper (the profile's `calibration` text says how): the host costs per
 # kernel, per Linear4bit call, per synchronisation, per sequence and per token are typical
@@ -176,7 +207,7 @@ HF_EAGER_NF4 = Execution(
     host_kernel_s=15e-6,
     host_linear_s=100e-6,
     host_sync_s=50e-6,
-    host_layer_s=6.89e-3,
+    host_layer_s=6.835e-3,
     host_seq_s=2e-6,
     host_token_s=1e-6,
     step_s=8e-3,
@@ -184,6 +215,7 @@ HF_EAGER_NF4 = Execution(
     dequant_memory_eff=0.9,
     device_exposed=0.8,
     eager_attention=True,
+    switch_host_s=200e-6,
 )
 
 
@@ -194,10 +226,42 @@ ArrayLike = float | np.ndarray
 class LayerModel:
     """Per-op times (seconds) of one layer of ``shape`` on ``hw`` under ``execution``.
 
+    With tensor parallelism over ``tp`` GPUs (Megatron-style, as vLLM runs Mixtral) every GPU
+    holds 1/tp of the attention heads, of every expert's intermediate dimension and of the
+    vocabulary (the norms, the router gate and the residual stream are replicated), so each op
+    runs on that shard, and each layer adds two all-reduces of the hidden states (after the
+    attention's o_proj and after the MoE block), both charged to the attention stage (the MoE
+    combine runs at the start of the next layer's attention, as in profiler/ops.py); the
+    lm_head adds an all-gather of the logits. A ring all-reduce of S bytes takes
+    2 (tp - 1) / tp x S / (link_bw x LINK_EFFICIENCY) + allreduce_latency_s.
+
     Methods accept scalars or numpy arrays of token counts."""
 
-    def __init__(self, shape: ModelShape, hw: Hardware, execution: Execution = ENGINE) -> None:
-        self.m, self.hw, self.ex = shape, hw, execution
+    def __init__(
+        self, shape: ModelShape, hw: Hardware, execution: Execution = ENGINE, tp: int = 1
+    ) -> None:
+        if tp > 1 and (shape.num_key_value_heads % tp or shape.intermediate_size % tp):
+            raise ValueError(f"tp={tp} does not divide the KV heads and the intermediate size")
+        self.full, self.hw, self.ex, self.tp = shape, hw, execution, tp
+        self.m = replace(
+            shape,
+            num_attention_heads=shape.num_attention_heads // tp,
+            num_key_value_heads=shape.num_key_value_heads // tp,
+            intermediate_size=shape.intermediate_size // tp,
+            vocab_size=shape.vocab_size // tp,
+        )
+
+    def _collective(self, nbytes, ring_factor: float):
+        if self.tp == 1:
+            return 0.0
+        hw = self.hw
+        wire = ring_factor * np.asarray(nbytes, dtype=float) / (hw.link_bw * LINK_EFFICIENCY)
+        return wire + hw.allreduce_latency_s
+
+    def allreduce(self, tokens):
+        """One all-reduce of ``tokens`` hidden states over the tp GPUs (0 without TP)."""
+        nbytes = FP16_BYTES * np.asarray(tokens, dtype=float) * self.m.hidden_size
+        return self._collective(nbytes, 2 * (self.tp - 1) / self.tp)
 
     # -- kernels ---------------------------------------------------------------------------
     def _roofline(self, flops, nbytes, eff: Efficiency):
@@ -270,7 +334,8 @@ class LayerModel:
         rope = self.elementwise(2 * FP16_BYTES * tokens * (qd + kvd))
         cache_write = self.elementwise(2 * FP16_BYTES * tokens * 2 * kvd)
         residual = self.elementwise(3 * FP16_BYTES * tokens * h)
-        return norm + self.qkv(tokens) + rope + cache_write + self.o_proj(tokens) + residual
+        layer = norm + self.qkv(tokens) + rope + cache_write + self.o_proj(tokens) + residual
+        return layer + 2 * self.allreduce(tokens)
 
     def _kv_copies(self, seqs, ctx):
         """Eager attention's extra KV traffic for ``seqs`` sequences of ``ctx`` cached tokens:
@@ -291,16 +356,23 @@ class LayerModel:
 
     def attn_prefill(self, n):
         """One sequence's prefill of n tokens through the attention stage (causal)."""
+        return self.attn_prefill_batch(1, n)
+
+    def attn_prefill_batch(self, batch, n):
+        """A prefill batch of ``batch`` prompts, n tokens in all, through the attention stage
+        in ONE call (norm and projections on all n tokens, one variable-length causal
+        attention kernel), the prompts equally long: the kernel's work is batch x (n/batch)^2.
+        """
         m = self.m
-        n = np.asarray(n, dtype=float)
+        b, n = np.asarray(batch, dtype=float), np.asarray(n, dtype=float)
         qd, kvd = m.num_attention_heads * m.head_dim, self._kv_heads_read() * m.head_dim
-        flops = 2.0 * qd * n * n  # QK^T and PV, 2*n*n*d each, halved by the causal mask
+        flops = 2.0 * qd * n * n / b  # QK^T and PV, 2*s*s*d each per prompt, causal: halved
         nbytes = FP16_BYTES * n * (2 * qd + 2 * kvd)
         device = self._attention_common(n) + self._roofline(flops, nbytes, self.hw.attention)
         if self.ex.eager_attention:  # repeat_kv of the new keys and values (nothing cached)
             kv_in = m.num_key_value_heads * m.head_dim
             device = device + self.elementwise(FP16_BYTES * n * 2 * (kv_in + kvd))
-        return self._op(self._host("attention", extra=self.ex.host_seq_s), device)
+        return self._op(self._host("attention", extra=self.ex.host_seq_s * b), device)
 
     def attn_decode(self, batch, kv_tokens):
         """A decode batch (one new token per sequence, kv_tokens cached per sequence)."""
@@ -314,17 +386,26 @@ class LayerModel:
         device = device + self._kv_copies(b, ctx)
         return self._op(self._host("attention", extra=self.ex.host_seq_s * b), device)
 
+    def _loop_s(self) -> float:
+        """The MoE block's loop cost per layer: framework cost + a synchronisation per expert."""
+        return self.ex.host_layer_s + self.m.num_experts * self.ex.host_sync_s
+
     def router(self, n):
-        """Post-attention norm, gate, softmax and top-k; in eager mode also the loop over the
-        experts (one synchronisation each) and the per-layer framework cost."""
+        """Post-attention norm, gate, softmax and top-k; in eager mode also the per-expert
+        queues and the share of the loop cost not charged to the experts."""
         m = self.m
         n = np.asarray(n, dtype=float)
         norm = self.elementwise(2 * FP16_BYTES * n * m.hidden_size)
         gate = self.linear(n, m.hidden_size, m.num_experts, self.hw.gemm)
         topk = 3 * self.elementwise(4 * n * m.num_experts)
         device = norm + gate + topk
-        queue = self.ex.host_layer_s + self.ex.host_token_s * m.top_k * n
-        return self._op(self._host("router", syncs=m.num_experts, extra=queue), device)
+        loop = (1 - self.ex.loop_in_experts) * self._loop_s()
+        queue = loop + self.ex.host_token_s * m.top_k * n
+        return self._op(self._host("router", extra=queue), device)
+
+    def expert_idle(self) -> float:
+        """An expert stage whose expert received no token: its share of the loop cost."""
+        return self.ex.loop_in_experts * self._loop_s() / self.m.num_experts
 
     def expert_ffn(self, n):
         """One expert's FFN on n tokens: up (gate+up) projection, SiLU*mul, down projection:
@@ -345,7 +426,8 @@ class LayerModel:
         h = self.m.hidden_size
         gather = self.elementwise(2 * FP16_BYTES * n * h)
         scatter = self.elementwise(3 * FP16_BYTES * n * h)
-        return self._op(self._host("expert"), gather + self.expert_ffn(n) + scatter)
+        device = gather + self.expert_ffn(n) + scatter
+        return self._op(self._host("expert"), device) + self.expert_idle()
 
     def lm_head(self, batch):
         """Final norm, lm_head (kept in fp16 by bitsandbytes), greedy token per sequence."""
@@ -353,8 +435,9 @@ class LayerModel:
         b = np.asarray(batch, dtype=float)
         norm = self.elementwise(2 * FP16_BYTES * b * m.hidden_size)
         head = self.linear(b, m.hidden_size, m.vocab_size, self.hw.gemm, quantised=False)
-        argmax = self.elementwise(FP16_BYTES * b * m.vocab_size)
-        return self._op(self._host("lm_head", syncs=1), norm + head + argmax)
+        gather = self._collective(FP16_BYTES * b * m.vocab_size * self.tp, (self.tp - 1) / self.tp)
+        argmax = self.elementwise(FP16_BYTES * b * m.vocab_size * self.tp)
+        return self._op(self._host("lm_head", syncs=1), norm + head + gather + argmax)
 
     def step_overhead(self, batch):
         """Embeddings plus the per-iteration host cost."""
@@ -363,18 +446,33 @@ class LayerModel:
         host = self._host("step") + self.ex.step_s + self.ex.step_seq_s * b
         return host + embed
 
+    def preempt_switch(self, n):
+        """Saving a suspended batch's in-flight state (n new tokens: the residual stream, the
+        experts' partial sums and queues, ACTIVATION_FACTOR hidden vectors per token) to a
+        side buffer and copying it back on resume (two copies, each reading and writing the
+        bytes at HBM bandwidth; every GPU copies its own replica in parallel), plus the
+        execution's host cost of stopping and re-entering the stage loop. For the whole
+        model, paid once per resume."""
+        nbytes = ACTIVATION_FACTOR * self.m.hidden_size * FP16_BYTES * np.asarray(n, float)
+        return 2 * self.elementwise(2 * nbytes) + self.ex.switch_host_s
+
 
 # ------------------------------------------------------------------------------- profiles
+# The grids reach Mixtral's 32,768-token context window (the conversation trace's longest
+# prompt has 14,050 tokens) and batches of 256, so that the simulator interpolates the
+# roofline, quadratic attention term included, instead of extrapolating it linearly.
 PREFILL_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
-                  3072, 4096, 6144, 8192)  # fmt: skip
-DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-DECODE_KV = (0, 128, 256, 512, 1024, 2048, 4096, 8192)
+                  3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)  # fmt: skip
+PREFILL_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODE_KV = (0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 EXPERT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768,
-                 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)  # fmt: skip
-BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+                 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576,
+                 32768)  # fmt: skip
+BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
+SWITCH_TOKENS = (1, 64, 4096, 32768)  # preempt_switch is affine in its tokens
 
 KV_UTILISATION = 0.9
-MIN_KV_TOKENS = 65536
 ACTIVATION_FACTOR = 3  # saved hidden state + the top-2 experts' partial outputs
 
 
@@ -388,11 +486,16 @@ def weight_params(m: ModelShape) -> tuple[int, int]:
     return m.num_layers * (attn + experts + gate), 2 * m.vocab_size * h
 
 
-def memory_for(m: ModelShape, memory_gb: float, weight_bytes: float) -> Memory:
+def memory_for(m: ModelShape, memory_gb: float, weight_bytes: float, tp: int = 1) -> Memory:
+    """KV capacity: what KV_UTILISATION of the tp GPUs' memory leaves after the weights (split
+    over the GPUs, as is each token's KV cache)."""
     kv = m.kv_bytes_per_token_fp16
-    free = memory_gb * 1e9 * KV_UTILISATION - weight_bytes
+    free = tp * memory_gb * 1e9 * KV_UTILISATION - weight_bytes
+    if free < kv:
+        raise ValueError(f"{weight_bytes / 1e9:.1f} GB of weights leave no room for a KV cache "
+                         f"on {tp} x {memory_gb:g} GB")  # fmt: skip
     return Memory(
-        kv_capacity_tokens=max(MIN_KV_TOKENS, int(free // kv)),
+        kv_capacity_tokens=int(free // kv),
         kv_bytes_per_token=kv,
         activation_bytes_per_token=ACTIVATION_FACTOR * m.hidden_size * FP16_BYTES,
     )
@@ -409,39 +512,49 @@ def op_points(model: LayerModel) -> list[OpPoint]:
 
     for n in PREFILL_TOKENS:
         add("attn_prefill", model.attn_prefill(n), num_tokens=n)
+        for b in (b for b in PREFILL_BATCHES if b <= n):
+            add("attn_prefill_batch", model.attn_prefill_batch(b, n), batch_size=b, num_tokens=n)
     for b in DECODE_BATCHES:
         for kv in DECODE_KV:
             add("attn_decode", model.attn_decode(b, kv), batch_size=b, kv_tokens=kv)
+    if model.expert_idle() > 0:
+        add("expert", model.expert_idle(), num_tokens=0)
     for n in EXPERT_TOKENS:
         add("router", model.router(n), num_tokens=n)
         add("expert", model.expert(n), num_tokens=n)
     for b in BATCHES:
         add("lm_head", model.lm_head(b), batch_size=b)
         add("step_overhead", model.step_overhead(b), batch_size=b)
+    for n in SWITCH_TOKENS:
+        add("preempt_switch", model.preempt_switch(n), num_tokens=n)
     return pts
 
 
-def analytic_profile(name: str, hw: Hardware, dtype: str) -> Profile:
-    m = MIXTRAL_8X7B
+def weight_bytes_fp16(m: ModelShape) -> float:
     linear, embed = weight_params(m)
-    weights = (linear + embed) * FP16_BYTES
-    mem = memory_for(m, hw.memory_gb, weights)
-    fits = weights <= hw.memory_gb * 1e9 * KV_UTILISATION
+    return (linear + embed) * FP16_BYTES
+
+
+def analytic_profile(name: str, hw: Hardware, dtype: str, tp: int = 1) -> Profile:
+    m = MIXTRAL_8X7B
+    weights = weight_bytes_fp16(m)
+    mem = memory_for(m, hw.memory_gb, weights, tp)
+    gpus = f"one {hw.name}" if tp == 1 else f"{tp} x {hw.name}"
+    parallel = (
+        ""
+        if tp == 1
+        else f" Tensor parallel over {tp} GPUs ({weights / tp / 1e9:.1f} GB of weights each; "
+        f"NVLink {hw.link_bw / 1e9:g} GB/s per direction at {LINK_EFFICIENCY:.0%}, "
+        f"{hw.allreduce_latency_s * 1e6:g} us per all-reduce; two all-reduces per layer)."
+    )
     description = (
         f"Analytic roofline profile: Mixtral-8x7B ({dtype} weights, {weights / 1e9:.1f} GB) on "
-        f"one {hw.name} ({hw.peak_flops / 1e12:.0f} TFLOP/s dense, {hw.mem_bw / 1e12:.2f} TB/s, "
-        f"{hw.memory_gb:g} GB), served by an optimised engine (fused attention, no per-kernel "
-        "host cost, a fixed per-iteration host cost). "
-        + (
-            ""
-            if fits
-            else f"The {dtype} weights do NOT fit in {hw.memory_gb:g} GB: the times assume they "
-            "sit on the GPU as if the memory were there (in practice: 2 GPUs or offloading). "
-        )
-        + f"KV capacity = max({MIN_KV_TOKENS}, ({hw.memory_gb:g} GB x {KV_UTILISATION} - "
-        f"weights) / kv_bytes_per_token)"
-        + (f", i.e. the floor of {MIN_KV_TOKENS} tokens." if not fits else ".")
-        + " p90 equals the median (the model has no spread)."
+        f"{gpus} ({hw.peak_flops / 1e12:.0f} TFLOP/s dense, {hw.mem_bw / 1e12:.2f} TB/s, "
+        f"{hw.memory_gb:g} GB per GPU), served by an optimised engine (fused attention, one "
+        "attention call over a whole prefill batch, no per-kernel host cost, a fixed "
+        f"per-iteration host cost).{parallel} KV capacity = ({tp} x {hw.memory_gb:g} GB x "
+        f"{KV_UTILISATION} - weights) / kv_bytes_per_token. p90 equals the median (the model "
+        "has no spread)."
     )
     calibration = (
         "Roofline per kernel: smooth max(flops / (peak x eff_compute), bytes / (bandwidth x "
@@ -450,31 +563,48 @@ def analytic_profile(name: str, hw: Hardware, dtype: str) -> Profile:
         "Microsoft, MIT licence): one Mixtral expert (mlp_up_proj + mlp_act + mlp_down_proj) "
         "within 10% at every token count 1..4096; attention projections fitted separately. "
         "The same efficiencies are assumed on the H100 and H200. The attention kernel "
-        "(50% of peak compute, 75% of peak bandwidth) and the per-iteration host cost "
-        f"({ENGINE.step_s * 1e3:g} ms + {ENGINE.step_seq_s * 1e6:g} us per sequence) are "
-        "assumptions. Generated by `python -m profiler.analytic --write`."
+        "(50% of peak compute, 75% of peak bandwidth), the per-iteration host cost "
+        f"({ENGINE.step_s * 1e3:g} ms + {ENGINE.step_seq_s * 1e6:g} us per sequence) and the "
+        f"context switch's host cost ({ENGINE.switch_host_s * 1e6:g} us) are assumptions. "
+        "attn_prefill_batch assumes equally long prompts. Generated by "
+        "`python -m profiler.analytic --write`."
     )
     return Profile(
         name=name,
         source="analytic",
         description=description,
         calibration=calibration,
-        device=hw.name,
+        device=gpus,
         dtype=dtype,
         model=replace(m),
         memory=mem,
-        points=op_points(LayerModel(m, hw, ENGINE)),
+        points=op_points(LayerModel(m, hw, ENGINE, tp)),
         created=CREATED,
-        extra={"generator": "profiler.analytic", "execution": ENGINE.name},
+        extra=_extra(ENGINE, hw, tp, weights),
+        prefill_attention="batched",
     )
+
+
+def _extra(ex: Execution, hw: Hardware, tp: int, weights: float) -> dict:
+    """What the profile's physical claims rest on (tests check them)."""
+    return {
+        "generator": "profiler.analytic",
+        "execution": ex.name,
+        "tensor_parallel": tp,
+        "gpu_memory_gb": hw.memory_gb,
+        "gpu_mem_bw_bytes_per_s": hw.mem_bw,
+        "weight_bytes": weights,
+    }
 
 
 NF4_WEIGHTS_GB = 22.9  # as reported by the QLLM paper
 NF4_TARGET_S = (0.30, 0.40)
 
 
-def nf4_profile() -> Profile:
-    m, hw, ex = MIXTRAL_8X7B, A100, HF_EAGER_NF4
+def nf4_profile(name: str = "a100-mixtral-nf4-hf", loop_in_experts: float = 0.0) -> Profile:
+    """The paper's setting; ``loop_in_experts`` places the MoE loop cost (Execution)."""
+    m, hw = MIXTRAL_8X7B, A100
+    ex = replace(HF_EAGER_NF4, loop_in_experts=loop_in_experts)
     weights = NF4_WEIGHTS_GB * 1e9
     mem = memory_for(m, hw.memory_gb, weights)
     description = (
@@ -488,6 +618,9 @@ def nf4_profile() -> Profile:
         "whole weight followed by an fp16 GEMM (A100-fitted roofline); attention stacks the "
         "per-sequence KV caches and expands the KV heads (repeat_kv) before SDPA, so decode "
         "attention grows with batch x context once that traffic outweighs the host cost. "
+        "A prefill batch's attention is one call over all its prompts (prefill_attention "
+        "'batched': Hugging Face runs one forward over the batch, TGI one variable-length "
+        "call), so the stage's host cost is paid once per batch, not once per prompt. "
         "p90 equals the median."
     )
     calibration = (
@@ -497,7 +630,7 @@ def nf4_profile() -> Profile:
         f"streams at {ex.dequant_memory_eff:.0%} of peak bandwidth. Host side, fixed at "
         f"typical PyTorch eager / bitsandbytes figures: {ex.host_kernel_s * 1e6:g} us per "
         f"kernel, {ex.host_linear_s * 1e6:g} us per Linear4bit call, "
-        f"{ex.host_sync_s * 1e6:g} us per synchronisation (one per expert in the router's "
+        f"{ex.host_sync_s * 1e6:g} us per synchronisation (one per expert in the MoE "
         f"loop), {ex.host_seq_s * 1e6:g} us per sequence per attention stage, "
         f"{ex.host_token_s * 1e6:g} us per token-to-expert assignment (per-expert queues), "
         f"{ex.step_s * 1e3:g} ms + {ex.step_seq_s * 1e6:g} us per sequence per iteration. "
@@ -505,20 +638,28 @@ def nf4_profile() -> Profile:
         f"{ex.device_exposed:g} was chosen so that batch 32 stays within 400 ms (with no "
         "overlap it would take ~0.42 s: 8 active experts per layer, each dequantising its "
         "three matrices, against 2 at batch 1). The remaining per-layer framework cost, "
-        f"{ex.host_layer_s * 1e3:g} ms (charged to the router stage, so that it is paid once "
-        "per batch), was then solved so that sim.latency.LatencyModel plans a decode "
-        "iteration of 1 sequence with a 300-token context at ~0.305 s; 32 sequences plan at "
-        "~0.395 s, increasing in between (checked by tests/test_analytic.py). A 128-token "
+        f"{ex.host_layer_s * 1e3:g} ms (paid once per layer and batch), was then solved so "
+        "that sim.latency.LatencyModel plans a decode iteration of 1 sequence with a "
+        "300-token context at ~0.305 s; 32 sequences plan at ~0.393 s, increasing in between "
+        "(checked by tests/test_analytic.py). Placement of the MoE loop cost (the framework "
+        f"cost and the {m.num_experts} synchronisations, {_loop_ms(ex):.3g} ms per layer): "
+        f"{1 - loop_in_experts:.0%} in the router stage, {loop_in_experts:.0%} spread evenly "
+        "over the layer's expert stages (every expert's, with tokens or not), a stated "
+        "assumption that does not change any iteration's total; it decides how much of a "
+        "layer lies between expert boundaries, hence what expert-level preemption can gain "
+        "over layer-level. A 128-token "
         "prefill of one sequence plans at ~0.40 s, 1024 tokens at ~0.50 s. Memory: 22.9 GB of "
         "weights (the paper) on 80 GB; KV cache in fp16, "
         f"{mem.kv_bytes_per_token} bytes/token (2 x 32 layers x 8 KV heads x 128 x 2 bytes); "
         f"kv_capacity_tokens = (80 GB x {KV_UTILISATION} - 22.9 GB) / "
         f"{mem.kv_bytes_per_token} = {mem.kv_capacity_tokens}; activation_bytes_per_token = "
         f"hidden 4096 x 2 bytes x {ACTIVATION_FACTOR} (the saved hidden state and the top-2 "
-        "experts' partial outputs of a suspended sequence)."
+        "experts' partial outputs of a suspended sequence). preempt_switch: those bytes "
+        "copied out and back at HBM bandwidth plus an assumed "
+        f"{ex.switch_host_s * 1e6:g} us of host time per resume."
     )
     return Profile(
-        name="a100-mixtral-nf4-hf",
+        name=name,
         source="calibrated",
         description=description,
         calibration=calibration,
@@ -528,16 +669,22 @@ def nf4_profile() -> Profile:
         memory=mem,
         points=op_points(LayerModel(m, hw, ex)),
         created=CREATED,
-        extra={"generator": "profiler.analytic", "execution": ex.name},
+        extra=_extra(ex, hw, 1, weights),
+        prefill_attention="batched",
     )
+
+
+def _loop_ms(ex: Execution) -> float:
+    return LayerModel(MIXTRAL_8X7B, A100, ex)._loop_s() * 1e3
 
 
 def builtin_profiles() -> list[Profile]:
     return [
-        analytic_profile("a100-mixtral-fp16", A100, "fp16"),
-        analytic_profile("h100-mixtral-bf16", H100, "bf16"),
+        analytic_profile("a100x2-mixtral-fp16", A100, "fp16", tp=2),
+        analytic_profile("h100x2-mixtral-bf16", H100, "bf16", tp=2),
         analytic_profile("h200-mixtral-bf16", H200, "bf16"),
         nf4_profile(),
+        nf4_profile("a100-mixtral-nf4-hf-expertcost", loop_in_experts=1.0),
     ]
 
 

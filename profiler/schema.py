@@ -12,7 +12,13 @@ A profile is a directory with two files:
                "intermediate_size", "num_attention_heads", "num_key_value_heads",
                "head_dim", "vocab_size"},
      "memory": {"kv_capacity_tokens", "kv_bytes_per_token", "activation_bytes_per_token"},
-     "routing": {"expert_load": [[float] * num_experts] * num_layers | null}}
+     "routing": {"expert_load": [[float] * num_experts] * num_layers | null},
+     "prefill_attention": "per_prompt" | "batched"}     # absent: "per_prompt"
+
+``prefill_attention`` says how the modelled engine runs a prefill batch's attention:
+``per_prompt`` (one call per prompt, as realrun's runner does: the batch pays the sum of
+``attn_prefill`` over its prompts) or ``batched`` (one call over the whole batch, as TGI and
+vLLM do: the batch pays ``attn_prefill_batch`` once).
 
 ``expert_load[l][e]`` is the fraction of layer l's token-to-expert assignments that expert e
 received (each row sums to 1); null means uniform routing.
@@ -35,12 +41,27 @@ op                        key columns (others are 0)     what was timed
                                                          so the model reads it at the max)
 ``router``                num_tokens                     post-attention norm + gate + top-k
 ``expert``                num_tokens                     one expert's FFN on n tokens,
-                                                         including gather and scatter-add
+                                                         including gather and scatter-add;
+                                                         n = 0 (optional): the stage of an
+                                                         expert that received no token
+                                                         (absent: 0)
 ``lm_head``               batch_size                     final norm + lm_head + greedy sampling
                                                          of one token per sequence
 ``step_overhead``         batch_size                     per-iteration framework cost:
                                                          embeddings, input preparation, Python
+``attn_prefill_batch``    batch_size, num_tokens         optional: a prefill batch of
+                                                         batch_size prompts, num_tokens in
+                                                         all, through a layer's norm +
+                                                         attention in one call (the grid's
+                                                         prompts are equally long)
+``preempt_switch``        num_tokens                     optional: saving and restoring the
+                                                         in-flight state of a suspended batch
+                                                         of num_tokens new tokens, once per
+                                                         resume, for the whole model (not per
+                                                         layer); absent: preemption is free
 ========================  =============================  ==================================
+
+Optional ops may have no points; every other op needs at least one.
 """
 
 from __future__ import annotations
@@ -59,7 +80,11 @@ OPS: dict[str, tuple[str, ...]] = {
     "expert": ("num_tokens",),
     "lm_head": ("batch_size",),
     "step_overhead": ("batch_size",),
+    "attn_prefill_batch": ("batch_size", "num_tokens"),
+    "preempt_switch": ("num_tokens",),
 }
+OPTIONAL_OPS = frozenset({"attn_prefill_batch", "preempt_switch"})
+PREFILL_ATTENTION = ("per_prompt", "batched")
 COLUMNS = ("op", "batch_size", "num_tokens", "kv_tokens", "median_ms", "p90_ms")
 META_FILE = "profile.json"
 OPS_FILE = "ops.csv"
@@ -123,6 +148,7 @@ class Profile:
     transformers_version: str | None = None
     created: str = ""
     extra: dict = field(default_factory=dict)
+    prefill_attention: str = "per_prompt"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,9 +160,16 @@ class Profile:
                 raise ProfileError(f"{where}: unknown op {p.op!r}; expected one of {sorted(OPS)}")
             if not (math.isfinite(p.median_ms) and p.median_ms >= 0):
                 raise ProfileError(f"{where}: {p.op} at {p.key()} has median_ms={p.median_ms}")
-        missing = set(OPS) - {p.op for p in self.points}
+        missing = set(OPS) - OPTIONAL_OPS - {p.op for p in self.points}
         if missing:
             raise ProfileError(f"{where}: no points for ops {sorted(missing)}")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ProfileError(
+                f"{where}: prefill_attention={self.prefill_attention!r}; expected one of "
+                f"{list(PREFILL_ATTENTION)}"
+            )
+        if self.prefill_attention == "batched" and not self.op_points("attn_prefill_batch"):
+            raise ProfileError(f"{where}: prefill_attention 'batched' needs attn_prefill_batch")
         m = self.model
         if min(m.num_layers, m.num_experts, m.top_k) < 1 or m.top_k > m.num_experts:
             raise ProfileError(f"{where}: bad model shape {asdict(m)}")
@@ -174,6 +207,7 @@ class Profile:
             "model": asdict(self.model),
             "memory": asdict(self.memory),
             "routing": {"expert_load": self.expert_load},
+            "prefill_attention": self.prefill_attention,
             "extra": self.extra,
         }
         (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -236,6 +270,7 @@ class Profile:
                 transformers_version=meta.get("transformers_version"),
                 created=meta.get("created", ""),
                 extra=meta.get("extra") or {},
+                prefill_attention=meta.get("prefill_attention", "per_prompt"),
             )
         except (KeyError, TypeError) as e:
             raise ProfileError(f"{meta_path}: missing or malformed field ({e})") from None

@@ -80,6 +80,7 @@ class ProfileConfig:
     kv_capacity_tokens: int | None = None  # null: the profile's own figure
     routing: RoutingMode = RoutingMode.uniform
     routing_skew: float = 1.0  # zipf exponent
+    prefill_attention: str | None = None  # per_prompt | batched; null: the profile's own
 
 
 @dataclass
@@ -157,6 +158,12 @@ def validate(cfg: Any) -> None:
             "must be >= 1",
         )
     need(p.routing_skew >= 0, "profile.routing_skew", p.routing_skew, "must be >= 0")
+    need(
+        p.prefill_attention in (None, "per_prompt", "batched"),
+        "profile.prefill_attention",
+        p.prefill_attention,
+        "must be per_prompt, batched or null (the profile's own)",
+    )
     need(
         pol.max_batch_size is None or pol.max_batch_size >= 1,
         "policy.max_batch_size",

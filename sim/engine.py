@@ -107,6 +107,11 @@ class Simulation:
             if batch.plan is None:
                 batch.plan = self.latency.plan(batch)
             start = env.now
+            if batch.cursor:  # a suspended batch resumes: its saved state is restored first
+                switch_s = self.latency.switch_s(batch)
+                if switch_s > 0:
+                    yield env.timeout(switch_s)
+                    self.events += 1
             run = self._run_lookup if self.mode == "lookup" else self._run_steps
             preempted = yield from run(batch)
             self.busy_s += env.now - start

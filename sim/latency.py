@@ -7,25 +7,32 @@ An iteration of a batch is planned as a flat list of stages::
 An expert that received no token has a zero-length stage. ``Plan.offset(i)`` is the time at
 which stage i starts (boundary i); a batch's cursor is such a boundary index. Which
 boundaries allow preemption depends on the policy's granularity (``Plan.preemptible``).
+A suspended batch pays ``LatencyModel.switch_s`` (the profile's context-switch cost) when it
+resumes, before the stage at its cursor.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from policies.core import Batch, Granularity, Phase
-from profiler.schema import OpPoint, Profile
+from profiler.schema import PREFILL_ATTENTION, OpPoint, Profile
 
 
 class Curve1D:
     """Piecewise-linear interpolation; linear extrapolation beyond the last point, clamped below
-    the first."""
+    the first. ``beyond`` is the largest input seen past the last point (None: none was), set
+    in the extrapolating branch only, to warn once per run."""
 
     def __init__(self, points: list[OpPoint], key: str) -> None:
+        self.op, self.key = points[0].op, key
+        self.beyond: float | None = None
         table: dict[int, float] = {}
         for p in points:
             table[getattr(p, key)] = p.median_ms / 1e3
@@ -44,8 +51,18 @@ class Curve1D:
         x = np.asarray(x, dtype=float)
         y = np.interp(x, self.x, self.y)
         if x.size and x.max() > self.xs[-1]:
+            self._beyond(float(x.max()))
             y = np.where(x > self.xs[-1], self.ys[-1] + self.slope * (x - self.xs[-1]), y)
         return y
+
+    def _beyond(self, x: float) -> None:
+        if self.beyond is None or x > self.beyond:
+            self.beyond = x
+
+    def extrapolations(self) -> list[str]:
+        if self.beyond is None:
+            return []
+        return [f"{self.op} {self.key} up to {self.beyond:g} (grid ends at {self.xs[-1]:g})"]
 
     def scalar(self, x: float) -> float:
         """One point, memoised (the hot path asks for few distinct integers)."""
@@ -54,6 +71,8 @@ class Curve1D:
             xs, ys = self.xs, self.ys
             if x >= xs[-1]:
                 y = ys[-1] + self.slope * (x - xs[-1])
+                if x > xs[-1]:
+                    self._beyond(x)
             elif x <= xs[0]:
                 y = ys[0]
             else:
@@ -65,27 +84,39 @@ class Curve1D:
 
 
 class Curve2D:
-    """Bilinear interpolation on a (batch_size, kv_tokens) grid: interpolate along kv for each
-    measured batch size, then along batch size (clamped below the grid, extrapolated linearly
-    and never downwards above it)."""
+    """Bilinear interpolation on a (batch_size, ``key``) grid: interpolate along ``key`` for
+    each measured batch size, then along batch size (clamped below the grid, extrapolated
+    linearly and never downwards above it)."""
 
-    def __init__(self, points: list[OpPoint]) -> None:
+    def __init__(self, points: list[OpPoint], key: str = "kv_tokens") -> None:
         by_batch: dict[int, list[OpPoint]] = {}
         for p in points:
             by_batch.setdefault(p.batch_size, []).append(p)
         self.batches = sorted(by_batch)
-        self.rows = [Curve1D(by_batch[b], "kv_tokens") for b in self.batches]
+        self.rows = [Curve1D(by_batch[b], key) for b in self.batches]
+        self.op = points[0].op
+        self.beyond_batch: float | None = None
+
+    def extrapolations(self) -> list[str]:
+        out = [line for row in self.rows for line in row.extrapolations()][-1:]
+        if self.beyond_batch is not None:
+            out.append(f"{self.op} batch_size up to {self.beyond_batch:g} "
+                       f"(grid ends at {self.batches[-1]})")  # fmt: skip
+        return out
 
     def __call__(self, batch_size: float, kv_tokens: float) -> float:
-        ys = [row.scalar(kv_tokens) for row in self.rows]
-        if len(ys) == 1:
-            return ys[0]
+        rows = self.rows
+        if len(rows) == 1:
+            return rows[0].scalar(kv_tokens)
         xs = self.batches
         i = min(max(bisect.bisect_right(xs, batch_size) - 1, 0), len(xs) - 2)
-        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        x0, x1 = xs[i], xs[i + 1]
+        y0, y1 = rows[i].scalar(kv_tokens), rows[i + 1].scalar(kv_tokens)
         if batch_size <= x0:
             return y0
         if batch_size >= x1:  # beyond the grid: as Curve1D, never extrapolate downwards
+            if batch_size > x1 and (self.beyond_batch or 0) < batch_size:
+                self.beyond_batch = batch_size
             return y1 + max(y1 - y0, 0.0) * (batch_size - x1) / (x1 - x0)
         return y0 + (y1 - y0) * (batch_size - x0) / (x1 - x0)
 
@@ -93,20 +124,33 @@ class Curve2D:
 class RoutingModel:
     """Tokens each expert receives in each layer.
 
-    Each of the T tokens picks top_k experts; the per-layer count vector is drawn as a
-    multinomial of T * top_k assignments over the layer's expert-load distribution, each count
-    capped at T (a token cannot pick one expert twice; this drops the rare duplicate draws).
-    ``uniform`` (default): every expert equally likely; ``zipf``: load proportional to
-    1 / rank^skew with a random expert order per layer; ``profile``: the measured expert load
-    stored in the profile.
+    Each of the T tokens picks top_k DISTINCT experts, sequentially without replacement
+    (Plackett-Luce: the next pick follows the weights of the experts not yet picked), the
+    tokens independent of each other. ``uniform`` (default): every expert equally likely;
+    ``zipf``: load proportional to 1 / rank^skew with a random expert order per layer;
+    ``profile``: the measured expert load stored in the profile (each expert's share of the
+    layer's token-to-expert assignments).
 
-    Drawing 32 layers of counts costs ~20 us, more than the rest of an iteration's planning, so
-    for small token counts (decode batches) the model draws ``pool_size`` samples per token
-    count once and then picks one of them at random for each iteration (a bootstrap of the
-    same distribution). Larger token counts (prefills) are drawn fresh every time.
+    When the ordered top-k tuples are few (``num_experts! / (num_experts - top_k)!`` at most
+    ``MAX_TUPLES``; Mixtral's 8 experts, top-2: 56), a token's expert SET is one of the
+    C(E, k) subsets with probabilities computed exactly, so a layer's counts are one multinomial
+    draw of T tokens over the subsets times the subsets' incidence matrix: exact, and as cheap
+    for a 4,096-token prefill as for one token. The Plackett-Luce weights are then fitted so
+    that each expert's expected share of assignments equals its load (a layer in which one
+    expert's load reaches 1/k cannot be met, since no token picks an expert twice, and keeps
+    its load as the weights). Larger expert sets draw
+    Gumbel-top-k per token with the load as weights (shares then only approximately the load
+    when it is skewed).
+
+    Even so, drawing 32 layers of counts costs more than the rest of an iteration's planning,
+    so for small token counts (decode batches) the model keeps ``pool_size`` samples per token
+    count (``pool``) and picks one of them at random for each iteration (a bootstrap of the
+    same distribution); larger token counts (prefills) sum samples of the pools (``summed``).
     """
 
     POOLED_MAX_TOKENS = 64
+    MAX_TUPLES = 5040  # 10 experts top-4, or 71 experts top-2
+    FIT_ITERATIONS = 200
 
     def __init__(
         self,
@@ -135,18 +179,105 @@ class RoutingModel:
         else:
             raise ValueError(f"unknown routing mode {mode!r}")
         self.load = load / load.sum(axis=1, keepdims=True)
+        if int(np.min(np.count_nonzero(self.load, axis=1))) < top_k:
+            raise ValueError(f"every layer needs at least top_k={top_k} experts with load > 0")
+        self.subset_p: np.ndarray | None = None  # (num_layers, C(E, k)), the exact path
+        self._pools: list[np.ndarray] = []
+        if math.perm(num_experts, top_k) <= self.MAX_TUPLES:
+            subsets = list(itertools.combinations(range(num_experts), top_k))
+            self.incidence = np.zeros((len(subsets), num_experts), dtype=np.int64)
+            for i, s in enumerate(subsets):
+                self.incidence[i, list(s)] = 1
+            self.subset_p = self._fit_subsets(subsets)
+            # layer l's CDF over the subsets, shifted to [l, l + 1]: one sorted array for all
+            cdf = np.cumsum(self.subset_p, axis=1)
+            cdf[:, -1] = 1.0
+            self._flat_cdf = (cdf + np.arange(num_layers)[:, None]).ravel()
+        else:
+            with np.errstate(divide="ignore"):
+                self.log_load = np.log(self.load)
+
+    def _subset_probabilities(self, weights: np.ndarray, subsets: list[tuple]) -> np.ndarray:
+        """P(a token's top-k set is S) per layer: the sum over S's orderings of the
+        Plackett-Luce probability prod_j w[e_j] / (1 - sum_{i<j} w[e_i])."""
+        k = self.top_k
+        orders = np.array([o for s in subsets for o in itertools.permutations(s)])  # (P, k)
+        w = weights[:, orders]  # (L, P, k)
+        before = np.cumsum(w, axis=-1) - w
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.nan_to_num(np.prod(w / (1.0 - before), axis=-1))
+        return p.reshape(weights.shape[0], len(subsets), math.factorial(k)).sum(axis=-1)
+
+    def _fit_subsets(self, subsets: list[tuple]) -> np.ndarray:
+        """Subset probabilities whose expected shares of assignments match the load: fixed
+        point w <- w * load / share from w = load (exact at once for a uniform load), in the
+        layers whose load is feasible (every share below 1/k); others keep w = load."""
+        target, w = self.load, self.load.copy()
+        fit = target.max(axis=1) * self.top_k < 1.0 - 1e-3
+        p = self._subset_probabilities(w, subsets)
+        for _ in range(self.FIT_ITERATIONS):
+            share = p @ self.incidence / self.top_k
+            if not fit.any() or np.allclose(share[fit], target[fit], rtol=1e-9, atol=1e-12):
+                break
+            with np.errstate(divide="ignore", invalid="ignore"):
+                step = np.nan_to_num(target / share)
+            w[fit] *= step[fit]
+            w /= w.sum(axis=1, keepdims=True)
+            p = self._subset_probabilities(w, subsets)
+        return p / p.sum(axis=1, keepdims=True)
 
     def draw(self, num_tokens: int, size: int | None = None) -> np.ndarray:
-        """Fresh counts: shape (num_layers, num_experts), or (size, num_layers, num_experts)."""
-        shape = self.load.shape if size is None else (size, *self.load.shape)
-        pvals = np.broadcast_to(self.load, shape)
-        return np.minimum(self.rng.multinomial(num_tokens * self.top_k, pvals), num_tokens)
+        """Fresh counts: shape (num_layers, num_experts), or (size, num_layers, num_experts).
+        Every layer's counts sum to num_tokens * top_k, each at most num_tokens."""
+        if self.subset_p is not None:
+            shape = self.subset_p.shape if size is None else (size, *self.subset_p.shape)
+            picks = self.rng.multinomial(num_tokens, np.broadcast_to(self.subset_p, shape))
+            return picks @ self.incidence
+        n, (layers, experts) = (1 if size is None else size), self.load.shape
+        keys = self.rng.gumbel(size=(n, layers, num_tokens, experts)) + self.log_load[:, None]
+        top = np.argpartition(-keys, self.top_k - 1, axis=-1)[..., : self.top_k]
+        rows = np.arange(n * layers).repeat(num_tokens * self.top_k) * experts
+        counts = np.bincount(rows + top.ravel(), minlength=n * layers * experts)
+        counts = counts.reshape(n, layers, experts)
+        return counts[0] if size is None else counts
 
     def pooled(self, num_tokens: int) -> bool:
         return num_tokens <= self.POOLED_MAX_TOKENS and self.pool_size > 0
 
+    def pool(self, num_tokens: int) -> np.ndarray:
+        """``pool_size`` samples of counts for a pooled token count, shape (pool_size,
+        num_layers, num_experts). The pools are nested: the pool of n tokens is that of n - 1
+        tokens plus one fresh token per sample, so every pool is an exact sample and building
+        all of them up to n costs n single-token draws."""
+        pools = self._pools
+        while len(pools) < num_tokens:  # pools[i] holds i + 1 tokens
+            one = self._one_token()
+            pools.append(one if not pools else pools[-1] + one)
+        return pools[num_tokens - 1]
+
+    def _one_token(self) -> np.ndarray:
+        """One token's picks in every layer of every pool sample (inverse CDF over subsets)."""
+        if self.subset_p is None:
+            return self.draw(1, size=self.pool_size)
+        layers, subsets = self.subset_p.shape
+        u = self.rng.random((self.pool_size, layers)) + np.arange(layers)
+        index = np.searchsorted(self._flat_cdf, u, side="right") - np.arange(layers) * subsets
+        return self.incidence[np.minimum(index, subsets - 1)]
+
     def pick(self) -> int:
         return int(self.rng.integers(self.pool_size))
+
+    def summed(self, num_tokens: int) -> np.ndarray:
+        """Counts for more tokens than the largest pool: tokens route independently, so the
+        counts of q * POOLED_MAX_TOKENS + r tokens are the sum of q samples of the largest
+        pool and one of the r-token pool, each picked at random (as ``pick``). Costs a few
+        microseconds where a fresh ``draw`` of 32 layers costs ~100."""
+        if self.pool_size == 0:
+            return self.draw(num_tokens)
+        q, r = divmod(num_tokens, self.POOLED_MAX_TOKENS)
+        picks = self.rng.integers(self.pool_size, size=q)
+        counts = self.pool(self.POOLED_MAX_TOKENS)[picks].sum(axis=0)
+        return counts + self.pool(r)[self.pick()] if r else counts
 
 
 @dataclass
@@ -243,9 +374,21 @@ def preemptible_boundaries(
 
 
 class LatencyModel:
-    """Plans iterations from a profile (per-layer op times) and a routing model."""
+    """Plans iterations from a profile (per-layer op times) and a routing model.
 
-    def __init__(self, profile: Profile, routing: RoutingModel | None = None) -> None:
+    ``prefill_attention`` (default: the profile's own) says how a prefill batch's attention is
+    costed: ``per_prompt``, the sum of ``attn_prefill`` over its prompts (one call per prompt,
+    as realrun's runner does), or ``batched``, ``attn_prefill_batch`` once on (prompts, total
+    tokens) (one call over the batch, as TGI and vLLM do). ``switch_s`` is the context-switch
+    cost a suspended batch pays when it resumes: the profile's ``preempt_switch`` at the batch's
+    new tokens, 0 for a profile without that op."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        routing: RoutingModel | None = None,
+        prefill_attention: str | None = None,
+    ) -> None:
         self.profile = profile
         m = profile.model
         self.num_layers = m.num_layers
@@ -254,29 +397,58 @@ class LatencyModel:
         self.attn_decode = Curve2D(profile.op_points("attn_decode"))
         self.router = Curve1D(profile.op_points("router"), "num_tokens")
         self.expert = Curve1D(profile.op_points("expert"), "num_tokens")
+        # an expert stage with no token: the profile's expert point at 0 tokens, if any
+        self.expert_idle_s = self.expert.ys[0] if self.expert.xs[0] == 0 else 0.0
         self.lm_head = Curve1D(profile.op_points("lm_head"), "batch_size")
         self.overhead = Curve1D(profile.op_points("step_overhead"), "batch_size")
+        self.prefill_attention = prefill_attention or profile.prefill_attention
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"must be one of {list(PREFILL_ATTENTION)}")
+        batch_points = profile.op_points("attn_prefill_batch")
+        if self.prefill_attention == "batched" and not batch_points:
+            raise ValueError(
+                f"profile {profile.name!r} has no attn_prefill_batch points; use per_prompt"
+            )
+        self.attn_prefill_batch = Curve2D(batch_points, "num_tokens") if batch_points else None
+        self.prefill_batched = self.prefill_attention == "batched"
+        switch_points = profile.op_points("preempt_switch")
+        self.switch = Curve1D(switch_points, "num_tokens") if switch_points else None
         self._pools: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def curves(self) -> list[Curve1D | Curve2D]:
+        curves = [self.attn_prefill, self.attn_decode, self.router, self.expert, self.lm_head]
+        curves += [self.overhead, self.attn_prefill_batch, self.switch]
+        return [c for c in curves if c is not None]
+
+    def extrapolations(self) -> list[str]:
+        """Every op this model has extrapolated beyond its profile grid so far, with the
+        largest input (empty when it never left the grids)."""
+        return [line for c in self.curves() for line in c.extrapolations()]
+
+    def switch_s(self, batch: Batch) -> float:
+        return self.switch.scalar(batch.new_tokens) if self.switch is not None else 0.0
 
     def attention_s(self, batch: Batch) -> float:
         if batch.phase is Phase.PREFILL:
+            if self.prefill_batched:
+                return self.attn_prefill_batch(batch.size, batch.new_tokens)
             return sum(self.attn_prefill.scalar(s.new_tokens) for s in batch.sequences)
         # decode attention runs on the batch's caches right-padded to the longest context
         kv = max(s.context_tokens for s in batch.sequences)
         return self.attn_decode(batch.size, kv)
 
     def _expert_times(self, counts: np.ndarray) -> np.ndarray:
-        return np.where(counts > 0, self.expert(counts), 0.0)
+        return np.where(counts > 0, self.expert(counts), self.expert_idle_s)
 
     def experts(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """(token counts, stage times) of every expert in every layer for one iteration."""
         routing = self.routing
         if not routing.pooled(tokens):
-            counts = routing.draw(tokens)
+            counts = routing.summed(tokens)
             return counts, self._expert_times(counts)
         pool = self._pools.get(tokens)
         if pool is None:
-            counts = routing.draw(tokens, size=routing.pool_size)
+            counts = routing.pool(tokens)
             pool = self._pools[tokens] = (counts, self._expert_times(counts))
         i = routing.pick()
         return pool[0][i], pool[1][i]

@@ -189,7 +189,7 @@ def over_seeds(table: pd.DataFrame, cls: str, value: str, series: list[str] | No
 
 
 def _label(series: tuple, cols: list[str]) -> str:
-    """``qllm, profile=a100-mixtral-fp16``; the experiment name alone."""
+    """``qllm, profile=a100x2-mixtral-fp16``; the experiment name alone."""
     parts = [str(v) if c in ("policy", "experiment") else f"{c}={v}"
              for c, v in zip(cols, series, strict=True)]  # fmt: skip
     return ", ".join(parts)

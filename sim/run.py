@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +82,11 @@ def build_latency(cfg: Any, profile, replica: int = 0) -> LatencyModel:
                                seed=seed)  # fmt: skip
     except ValueError as e:
         raise UserError(f"profile.routing={mode}: {e}") from None
-    return LatencyModel(profile, routing)
+    prefill = cfg.profile.prefill_attention
+    try:
+        return LatencyModel(profile, routing, prefill_attention=prefill)
+    except ValueError as e:
+        raise UserError(f"profile.prefill_attention={prefill}: {e}") from None
 
 
 def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
@@ -111,6 +116,10 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
     finally:
         if bar:
             bar.close()
+    beyond = list(dict.fromkeys(line for rep in replicas for line in rep.latency.extrapolations()))
+    if beyond:
+        print(f"warning: profile {profile.name}: extrapolated linearly beyond the grid: "
+              + "; ".join(beyond), file=sys.stderr)  # fmt: skip
     df, summary = outputs(result.sequences, result.makespan_s, result.events, result.wall_s,
                           cfg.slo)  # fmt: skip
     df["replica"] = df["id"].map(ran.replica_of).astype("int64")

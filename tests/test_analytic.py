@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from policies.core import Batch, Phase, Request, Sequence
 from profiler import analytic
@@ -17,7 +18,8 @@ from sim.latency import LatencyModel, RoutingModel
 ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT / "data" / "a100-measured" / "llama3-8b-shape-mlp.csv"  # shipped in the repository
 BUILTIN = ROOT / "sim" / "profiles"
-NAMES = ("a100-mixtral-fp16", "h100-mixtral-bf16", "h200-mixtral-bf16", "a100-mixtral-nf4-hf")
+NAMES = ("a100x2-mixtral-fp16", "h100x2-mixtral-bf16", "h200-mixtral-bf16", "a100-mixtral-nf4-hf",
+         "a100-mixtral-nf4-hf-expertcost")  # fmt: skip
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -117,6 +119,29 @@ def test_nf4_decode_iteration_within_paper_range_and_increasing():
     assert means[0] < 0.32 and means[-1] > 0.38
 
 
+@pytest.mark.parametrize("size", [1, 8, 32])
+def test_loop_cost_placement_keeps_every_total_and_fills_the_expert_stages(size):
+    """Issue 12.3: the MoE loop cost in the router (default) or spread over the expert stages
+    (expertcost): the same iteration times (305 ms at batch 1, 393 ms at 32), but the experts
+    hold 9% or 87% of a layer at batch 1."""
+    shares, totals = [], []
+    for name in ("a100-mixtral-nf4-hf", "a100-mixtral-nf4-hf-expertcost"):
+        profile = load(name)
+        m = profile.model
+        lm = LatencyModel(profile, RoutingModel(m.num_layers, m.num_experts, m.top_k, seed=5))
+        plans = [lm.plan(decode_batch(size)) for _ in range(20)]
+        totals.append([p.total_s for p in plans])
+        p = plans[0]
+        shares.append(p.experts_s[0].sum() / (p.attention_s + p.router_s + p.experts_s[0].sum()))
+    np.testing.assert_allclose(totals[0], totals[1], rtol=1e-5)  # ops.csv keeps 6 digits
+    assert shares[1] > shares[0] + 0.3
+    if size == 1:
+        assert shares[0] < 0.15 and shares[1] > 0.8
+        assert np.mean(totals[0]) == pytest.approx(0.305, abs=0.001)
+    if size == 32:
+        assert np.mean(totals[0]) == pytest.approx(0.393, abs=0.002)
+
+
 def test_nf4_prefill_grows_with_tokens():
     profile = load("a100-mixtral-nf4-hf")
     lm = LatencyModel(profile)
@@ -147,8 +172,54 @@ def test_expert_at_one_token_is_memory_bound():
     assert compute <= float(lm.expert_ffn(4096)) <= 1.15 * compute  # compute bound
 
 
-def test_newer_gpus_decode_faster():
-    a100, h100, h200 = (mean_decode_s(load(n), 16, plans=10) for n in NAMES[:3])
-    assert h200 < h100 < a100
-    kv = [load(n).memory.kv_capacity_tokens for n in NAMES[:3]]
-    assert kv[0] == kv[1] == analytic.MIN_KV_TOKENS < kv[2]  # 93 GB of fp16 weights
+def test_more_bandwidth_decodes_faster():
+    """Decode at batch 16 is memory bound: 2 x A100 (4.1 TB/s) > H200 (4.8) > 2 x H100 (6.7)."""
+    a100x2, h100x2, h200 = (mean_decode_s(load(n), 16, plans=10) for n in NAMES[:3])
+    assert h100x2 < h200 < a100x2
+
+
+def weight_bytes_read(profile: Profile, active_experts: int) -> float:
+    """Weights a decode step must stream from memory: every layer's attention projections,
+    router gate and active experts, plus the lm_head (fp16 also in the nf4 profile)."""
+    m = profile.model
+    h, qd = m.hidden_size, m.num_attention_heads * m.head_dim
+    kvd = m.num_key_value_heads * m.head_dim
+    per_param = analytic.NF4_BYTES_PER_PARAM if "nf4" in profile.dtype else 2
+    layer = (2 * h * qd + 2 * h * kvd + active_experts * 3 * h * m.intermediate_size) * per_param
+    return m.num_layers * (layer + 2 * h * m.num_experts) + 2 * m.vocab_size * h
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_builtin_profile_is_physically_possible(name):
+    """The weights fit on the profile's GPUs next to its KV cache, and a decode step is not
+    faster than streaming the weights it reads at the GPUs' combined memory bandwidth."""
+    profile = load(name)
+    m, mem, extra = profile.model, profile.memory, profile.extra
+    tp, memory_bytes = extra["tensor_parallel"], extra["gpu_memory_gb"] * 1e9
+    all_weights = weight_bytes_read(profile, m.num_experts) + 2 * m.vocab_size * m.hidden_size
+    assert all_weights == pytest.approx(extra["weight_bytes"], rel=0.07)  # nf4: the paper's 22.9
+    assert extra["weight_bytes"] / tp < memory_bytes
+    assert extra["weight_bytes"] + mem.kv_capacity_tokens * mem.kv_bytes_per_token <= (
+        tp * memory_bytes
+    )
+    bandwidth = tp * extra["gpu_mem_bw_bytes_per_s"]
+    for batch, active in ((1, m.top_k), (64, m.num_experts)):  # 64 tokens: all 8, p > 1 - 1e-7
+        floor_s = weight_bytes_read(profile, active) / bandwidth
+        assert mean_decode_s(profile, batch, plans=5) >= floor_s, (batch, floor_s)
+
+
+def test_tensor_parallel_allreduce_and_memory_by_hand():
+    """TP=2 on A100s: one all-reduce of one token's hidden state (4096 x 2 bytes) moves
+    2 x (2 - 1) / 2 x 8192 bytes at 300 GB/s x 0.8, plus 10 us; the KV cache gets what 2 x 72 GB
+    leave after 93.4 GB of weights."""
+    m = analytic.MIXTRAL_8X7B
+    tp2 = analytic.LayerModel(m, analytic.A100, tp=2)
+    assert float(tp2.allreduce(1)) == pytest.approx(8192 / 240e9 + 10e-6)
+    assert analytic.LayerModel(m, analytic.A100).allreduce(1) == 0.0
+    assert tp2.m.intermediate_size == 7168 and tp2.m.num_key_value_heads == 4
+    weights = analytic.weight_bytes_fp16(m)
+    assert weights == pytest.approx(93.4e9, rel=0.001)
+    mem = load("a100x2-mixtral-fp16").memory
+    assert mem.kv_capacity_tokens == int((2 * 80e9 * 0.9 - weights) // (2 * 32 * 8 * 128 * 2))
+    with pytest.raises(ValueError, match="no room"):
+        analytic.memory_for(m, 80, weights, tp=1)

@@ -1,0 +1,231 @@
+"""The latency model: routing without replacement, prefill attention, extrapolation, the
+context-switch term."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from conftest import linear_profile
+from hydra import compose, initialize_config_dir
+
+from policies import Request, Scheduler
+from policies.core import Batch, Phase, Sequence
+from policies.qllm import QLLM
+from profiler.schema import OpPoint, Profile
+from sim import profiles
+from sim.app import CONF_DIR
+from sim.config import UserError
+from sim.engine import Simulation
+from sim.latency import LatencyModel, RoutingModel
+from sim.run import simulate
+
+
+# ------------------------------------------------------------------------------- routing
+@pytest.mark.parametrize("mode", ["uniform", "zipf"])
+def test_one_token_activates_exactly_top_k_experts_in_every_layer(mode):
+    r = RoutingModel(32, 8, 2, mode=mode, seed=1)
+    counts = r.draw(1, size=500)
+    assert counts.shape == (500, 32, 8)
+    assert np.all(np.count_nonzero(counts, axis=-1) == 2)
+    assert counts.max() == 1
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64, 4096])
+def test_counts_sum_to_tokens_times_top_k_and_never_exceed_tokens(tokens):
+    r = RoutingModel(32, 8, 2, mode="zipf", seed=2)
+    counts = r.draw(tokens, size=20)
+    assert np.all(counts.sum(axis=-1) == tokens * 2)
+    assert counts.max() <= tokens
+
+
+def test_mean_active_experts_at_4_tokens_matches_the_closed_form():
+    """Uniform load, 8 experts, top-2: one token leaves a given expert out with probability
+    C(7,2)/C(8,2) = 3/4, so E[active] = 8 * (1 - (3/4)^4) = 5.46875 (drawing the 8
+    assignments with replacement gives 8 * (1 - (7/8)^8) = 5.25)."""
+    expected = 8 * (1 - (math.comb(7, 2) / math.comb(8, 2)) ** 4)
+    assert expected == pytest.approx(5.46875)
+    r = RoutingModel(32, 8, 2, seed=3)
+    active = np.count_nonzero(r.draw(4, size=2000), axis=-1)  # 64,000 layer draws
+    assert active.mean() == pytest.approx(expected, abs=0.01)  # standard error ~0.003
+
+
+def test_skewed_load_is_each_experts_share_of_assignments():
+    r = RoutingModel(4, 8, 2, mode="zipf", skew=1.0, seed=4)
+    counts = r.draw(1000, size=100)
+    share = counts.sum(axis=0) / (100 * 1000 * 2)
+    np.testing.assert_allclose(share, r.load, atol=0.002)
+
+
+def test_gumbel_path_for_large_expert_sets():
+    """64 experts, top-8 has too many subsets to enumerate: per-token Gumbel-top-k."""
+    r = RoutingModel(3, 64, 8, seed=5)
+    assert r.subset_p is None
+    counts = r.draw(1, size=200)
+    assert np.all(np.count_nonzero(counts, axis=-1) == 8)
+    counts = r.draw(50, size=40)
+    assert np.all(counts.sum(axis=-1) == 400) and counts.max() <= 50
+    share = counts.sum(axis=(0, 1)) / counts.sum()
+    np.testing.assert_allclose(share, 1 / 64, atol=0.004)
+
+
+def test_too_few_loaded_experts_is_an_error():
+    load = [[1.0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="top_k=2"):
+        RoutingModel(1, 4, 2, mode="profile", expert_load=load)
+
+
+def test_decode_pools_are_exact_samples_too():
+    """The nested pools (n tokens = n - 1 tokens + one more) keep the distribution."""
+    r = RoutingModel(32, 8, 2, seed=6, pool_size=2000)
+    assert np.all(np.count_nonzero(r.pool(1), axis=-1) == 2)
+    four = r.pool(4)
+    assert np.all(four.sum(axis=-1) == 8) and four.max() <= 4
+    assert np.count_nonzero(four, axis=-1).mean() == pytest.approx(5.46875, abs=0.01)
+    assert np.all((four - r.pool(3)).sum(axis=-1) == 2)  # one more token in every layer
+
+
+# ------------------------------------------------------------------ prefill attention cost
+def with_points(profile: Profile, *points: OpPoint, prefill_attention: str = "per_prompt"):
+    return replace(profile, points=[*profile.points, *points], prefill_attention=prefill_attention)
+
+
+def batch_attention_points() -> list[OpPoint]:
+    """attn_prefill_batch(b, n) = 1 ms + 1 us per token, whatever the number of prompts."""
+    return [
+        OpPoint("attn_prefill_batch", batch_size=b, num_tokens=n, median_ms=1 + n / 1000)
+        for b in (1, 8)
+        for n in (1, 4096)
+    ]
+
+
+def prefill(*prompt_tokens: int) -> Batch:
+    seqs = [Sequence(Request(i, "BE", 0.0, n, 1)) for i, n in enumerate(prompt_tokens)]
+    return Batch(seqs, Phase.PREFILL)
+
+
+def test_batched_prefill_pays_the_attention_stage_once_per_batch():
+    """4 prompts of 100 tokens: per prompt 4 x 1 ms (linear_profile's flat attn_prefill);
+    batched once on 400 tokens: 1 + 0.4 ms."""
+    profile = with_points(linear_profile(), *batch_attention_points(), prefill_attention="batched")
+    batch = prefill(100, 100, 100, 100)
+    assert LatencyModel(profile).plan(batch).attention_s == pytest.approx(1.4e-3)
+    per_prompt = LatencyModel(profile, prefill_attention="per_prompt")
+    assert per_prompt.plan(batch).attention_s == pytest.approx(4.0e-3)
+    single = prefill(300)  # one prompt: the batched op on (1, 300)
+    assert LatencyModel(profile).plan(single).attention_s == pytest.approx(1.3e-3)
+
+
+def test_builtin_profiles_model_an_engine_that_batches_prefill_attention():
+    """The nf4 profile's stage is host bound (~0.82 ms flat per call): 10 prompts of 100
+    tokens cost ~10 calls per prompt, ~1 call batched."""
+    profile = profiles.load("a100-mixtral-nf4-hf")
+    assert profile.prefill_attention == "batched"
+    batch = prefill(*[100] * 10)
+    batched = LatencyModel(profile).plan(batch).attention_s
+    per_prompt = LatencyModel(profile, prefill_attention="per_prompt").plan(batch).attention_s
+    one = LatencyModel(profile).plan(prefill(100)).attention_s
+    assert per_prompt == pytest.approx(10 * one)
+    assert batched < 1.5 * one
+
+
+def test_a_profile_without_the_field_runs_prefill_per_prompt(tmp_path):
+    """Profiles measured on realrun's runner (one attention call per prompt) omit it."""
+    directory = linear_profile().save(tmp_path / "p")
+    meta = json.loads((directory / "profile.json").read_text())
+    del meta["prefill_attention"]
+    (directory / "profile.json").write_text(json.dumps(meta))
+    assert Profile.load(directory).prefill_attention == "per_prompt"
+
+
+def test_batched_mode_needs_the_batched_op(tmp_path):
+    directory = linear_profile().save(tmp_path / "p")
+    with pytest.raises(UserError, match=r"profile\.prefill_attention=batched: .*per_prompt"):
+        simulate(app_cfg(f"profile.path={directory}", "profile.prefill_attention=batched"))
+    with pytest.raises(UserError, match=r"profile\.prefill_attention=both"):
+        simulate(app_cfg("profile.prefill_attention=both"))
+
+
+# --------------------------------------------------------------------------- extrapolation
+def app_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=["workload.num_requests=6", *overrides])
+
+
+def test_extrapolating_beyond_a_grid_warns_once_per_run(tmp_path, capsys):
+    base = linear_profile()
+    short = [p for p in base.points if not (p.op == "attn_prefill" and p.num_tokens > 2)]
+    short.append(OpPoint("attn_prefill", num_tokens=1024, median_ms=1.0))
+    directory = replace(base, points=short).save(tmp_path / "p")
+    overrides = [f"profile.path={directory}", "workload=synthetic", "workload.rate=50"]
+    simulate(app_cfg(*overrides, "workload.prompt.tokens=2000", "workload.output.tokens=4"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "attn_prefill num_tokens up to 2000 (grid ends at 1024)" in err[0]
+    simulate(app_cfg(*overrides, "workload.prompt.tokens=1000", "workload.output.tokens=4"))
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("name", ["a100x2-mixtral-fp16", "a100-mixtral-nf4-hf"])
+def test_builtin_grids_cover_the_conversation_trace(name):
+    """The longest conversation prompt (14,050 tokens) and its context stay inside the grids."""
+    lm = LatencyModel(profiles.load(name))
+    lm.plan(prefill(14_050))
+    seq = Sequence(Request(0, "BE", 0.0, 14_050, 2000), generated=1999)
+    lm.plan(Batch([seq] * 64, Phase.DECODE))
+    assert lm.extrapolations() == []
+
+
+# ----------------------------------------------------------------------- context switches
+SWITCH = [OpPoint("preempt_switch", num_tokens=n, median_ms=5 + (n - 1) / 1000) for n in (1, 4096)]
+
+
+def _preempted_be(profile: Profile, mode: str):
+    """A 64-token BE prefill from t=0; an LS request arrives 40% into it and preempts it."""
+    m = profile.model
+    probe = LatencyModel(profile, RoutingModel(m.num_layers, m.num_experts, m.top_k, seed=0))
+    be = Request(0, "BE", 0.0, prompt_tokens=64, output_tokens=1)
+    t_ls = 0.4 * probe.plan(prefill(64)).total_s
+    ls = Request(1, "LS", t_ls, prompt_tokens=16, output_tokens=1)
+    latency = LatencyModel(profile, RoutingModel(m.num_layers, m.num_experts, m.top_k, seed=0))
+    sched = Scheduler(QLLM(), kv_capacity_tokens=10**6, activation_tokens_per_token=0.125)
+    result = Simulation([be, ls], sched, latency, mode=mode, record_trace=True).run()
+    return result, latency
+
+
+@pytest.mark.parametrize("mode", ["lookup", "step"])
+def test_a_resumed_batch_pays_the_switch_cost_once(mode):
+    """64 new tokens: 5 ms + 63 us, paid when the BE prefill resumes after the LS prefill."""
+    profile = linear_profile(num_layers=4, attn_ms=4, expert_ms=2, overhead_ms=1)
+    free, _ = _preempted_be(profile, mode)
+    paid, latency = _preempted_be(with_points(profile, *SWITCH), mode)
+    assert latency.switch_s(prefill(64)) == pytest.approx(5.063e-3)
+    assert free.preemptions == paid.preemptions == 1
+    segments = [[(t0, t1, kind) for t0, t1, _, kind, _ in r.trace] for r in (free, paid)]
+    assert [kind for _, _, kind in segments[1]] == ["preempted", "prefill", "prefill"]
+    assert segments[1][:2] == segments[0][:2]  # identical up to the resume
+    be_free = next(s for s in free.sequences if s.id == 0).finish_s
+    be_paid = next(s for s in paid.sequences if s.id == 0).finish_s
+    assert be_paid - be_free == pytest.approx(5.063e-3, abs=1e-12)
+
+
+def test_without_the_op_preemption_is_free():
+    assert LatencyModel(linear_profile()).switch_s(prefill(64)) == 0.0
+    profile = profiles.load("a100-mixtral-nf4-hf")
+    # 64 tokens x 24,576 bytes, copied out and back (read + write each) at ~1.4 TB/s: ~4 us,
+    # plus 2 kernel overheads and 200 us of host time
+    assert LatencyModel(profile).switch_s(prefill(64)) == pytest.approx(222e-6, rel=0.05)
+
+
+def test_large_token_counts_sum_pool_samples_with_the_exact_spread():
+    """200 tokens (3 x 64 + 8): each expert's count has mean 200 x 2/8 = 50 and, a token
+    including a given expert with probability 1/4, variance 200 x 1/4 x 3/4 = 37.5 (drawing
+    400 assignments with replacement would give 400 x 1/8 x 7/8 = 43.75)."""
+    r = RoutingModel(32, 8, 2, seed=7)
+    counts = np.stack([r.summed(200) for _ in range(2000)])
+    assert np.all(counts.sum(axis=-1) == 400)
+    assert counts.mean() == pytest.approx(50, abs=0.1)
+    assert counts.var() == pytest.approx(37.5, rel=0.05)
