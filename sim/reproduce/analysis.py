@@ -30,21 +30,26 @@ def readings(paper: pd.DataFrame) -> dict:
 
 
 def where(table: pd.DataFrame) -> dict:
-    """(profile, ls_fraction, load) -> LS TTFT of alg1 and qllm, the gain alg1 / qllm with a
-    95% interval, qllm's BE preemptions per run, and the profile's decode iteration time."""
+    """(profile, ls_fraction, load) -> LS TTFT of alg1, layer and qllm, the gains alg1 / qllm
+    and layer / qllm with 95% intervals, qllm's BE preemptions per run, and the profile's decode
+    iteration time."""
     out = {}
     part = _of(table, "where")
     for (profile, frac, load), pt in part.groupby(["profile", "ls_fraction", "base_rate"]):
-        p = Paired(pt, ["alg1", "qllm"])
+        p = Paired(pt, ["alg1", "layer", "qllm"])
         a, ba = p.means("alg1", "LS", "ttft_mean_s")
+        lay, blay = p.means("layer", "LS", "ttft_mean_s")
         q, bq = p.means("qllm", "LS", "ttft_mean_s")
         pre = pt[(pt["policy"] == "qllm") & (pt["cls"] == "BE")]["preemptions"].mean()
         out[(profile, float(frac), float(load))] = {
             "rate": float(p.rates[0]),
             "alg1_ls_ttft_s": float(a[0]),
             "qllm_ls_ttft_s": float(q[0]),
+            "layer_ls_ttft_s": float(lay[0]),
             "gain": float(a[0] / q[0]),
             "gain_ci95": _ci(ba[:, 0] / bq[:, 0]),
+            "expert_over_layer": float(lay[0] / q[0]),
+            "expert_over_layer_ci95": _ci(blay[:, 0] / bq[:, 0]),
             "qllm_be_preemptions_per_run": float(pre),
             "decode_step_ms": decode_step_s(profile) * 1e3,
         }

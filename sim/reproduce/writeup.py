@@ -167,13 +167,18 @@ def where_finding(where: list[dict]) -> str:
     paper = [w for w in where if w["profile"] == "a100-mixtral-nf4-hf" and w["ls_fraction"] == 0.2]
     at_paper = ", ".join(f"{x(w['gain'])} at load {w['load']:g}" for w in paper)
     material = [w for w in where if w["gain_ci95"][0] is not None and w["gain_ci95"][0] > 1.2]
+    by_profile = {}
+    for w in where:
+        by_profile.setdefault(w["profile"], []).append(w["expert_over_layer"])
+    layer = "; ".join(f"{p} {x(min(v))}-{x(max(v))}" for p, v in by_profile.items())
     return (
         f"Preemption inside an iteration lowers LS TTFT by more than 20% (lower end of the 95% "
         f"interval) at {len(material)} of {len(where)} settings. The largest gain is "
         f"{x(best['gain'])} ({best['profile']}, LS fraction {best['ls_fraction']:g}, load "
         f"{best['load']:g}), the smallest {x(worst['gain'])} ({worst['profile']}, LS fraction "
         f"{worst['ls_fraction']:g}, load {worst['load']:g}). At the paper's setting (nf4, 20% "
-        f"LS): {at_paper or 'not run'}."
+        f"LS): {at_paper or 'not run'}. Expert over layer granularity (layer / qllm LS TTFT), "
+        f"range over LS fractions and loads per profile: {layer}."
     )
 
 
