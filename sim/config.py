@@ -134,7 +134,7 @@ def validate(cfg: Any) -> None:
     else:
         need(w.rate > 0, "workload.rate", w.rate, "must be > 0 (requests per second)")
     need(w.cv > 0, "workload.cv", w.cv, "must be > 0")
-    if w.get("peak_to_trough") is not None:
+    if getattr(w, "peak_to_trough", None) is not None:
         need(w.peak_to_trough >= 1, "workload.peak_to_trough", w.peak_to_trough, "must be >= 1")
         need(w.period_s > 0, "workload.period_s", w.period_s, "must be > 0 seconds")
     need(0 <= w.ls_fraction <= 1, "workload.ls_fraction", w.ls_fraction, "must be in [0, 1]")

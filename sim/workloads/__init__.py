@@ -71,7 +71,7 @@ def build_workload(cfg: Any, seed: int) -> list[Request]:
         times = arrivals.gamma(n, cfg.rate, cfg.cv, arrival_rng)
     else:
         times = arrivals.poisson(n, cfg.rate, arrival_rng)
-    if cfg.get("peak_to_trough") is not None:
+    if getattr(cfg, "peak_to_trough", None) is not None:
         times = arrivals.diurnal(times, cfg.peak_to_trough, cfg.period_s)
 
     # Every arrival process yields non-decreasing times, so index order is arrival order.
