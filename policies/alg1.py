@@ -83,7 +83,7 @@ class Algorithm1(Policy):
                 self._promote(ls)
                 room = min(size, slots) - len(ls)
                 if self.fill_be_prefill and room > 0:
-                    used = sum(q.request.prompt_tokens for q in ls)
+                    used = sum(q.new_tokens for q in ls)
                     fill = s.waiting[BE]
                     ls += s.take_prefill(fill, room, budget - used, alone_if_oversized=False)
                 return prefill_batch(ls)

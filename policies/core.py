@@ -66,8 +66,11 @@ class Sequence:
     generated: int = 0  # tokens produced so far (the prefill produces the first)
     first_token_s: float | None = None
     finish_s: float | None = None
-    preemptions: int = 0
+    preemptions: int = 0  # times a batch holding it was suspended inside an iteration
     scheduled_s: float | None = None  # first time the sequence entered an executing batch
+    recomputes: int = 0  # times its KV was freed, to be recomputed (paged memory's preemption)
+    evicted: bool = False  # its KV is freed: the next iteration re-prefills prompt + generated
+    admission: int = -1  # order of its latest admission from a waiting queue (vLLM's running)
 
     @property
     def id(self) -> int:
@@ -83,17 +86,22 @@ class Sequence:
 
     @property
     def phase(self) -> Phase:
-        return Phase.PREFILL if self.generated == 0 else Phase.DECODE
+        return Phase.PREFILL if self.generated == 0 or self.evicted else Phase.DECODE
 
     @property
     def context_tokens(self) -> int:
         """Tokens in the KV cache before the next iteration runs."""
-        return 0 if self.generated == 0 else self.request.prompt_tokens + self.generated - 1
+        if self.generated == 0 or self.evicted:
+            return 0
+        return self.request.prompt_tokens + self.generated - 1
 
     @property
     def new_tokens(self) -> int:
-        """Tokens the next iteration feeds through the model for this sequence."""
-        return self.request.prompt_tokens if self.generated == 0 else 1
+        """Tokens the next iteration feeds through the model for this sequence: the prompt,
+        plus the tokens generated before an eviction when it is recomputed."""
+        if self.generated == 0 or self.evicted:
+            return self.request.prompt_tokens + self.generated
+        return 1
 
     @property
     def reserved_tokens(self) -> int:

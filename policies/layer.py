@@ -38,4 +38,4 @@ class LayerPreemptive(Algorithm1):
         if self.in_flight(s) >= self.max_in_flight:
             return False
         first = s.waiting[LS][0]
-        return s.fits(first.reserved_tokens + s.activation_tokens(running))
+        return s.fits(s.memory.admit_tokens(first) + s.activation_tokens(running))

@@ -1,0 +1,101 @@
+"""vLLM V1's scheduler, without chunked prefill.
+
+Reproduces ``Scheduler.schedule`` of vLLM V1 (vllm/v1/core/sched/scheduler.py, as in the
+v0.9-v0.11 releases) for a model run with chunked prefill off:
+
+- One engine step first schedules the running requests (one decode token each), then the
+  waiting ones, in queue order, while ``max_num_seqs`` running requests, the step's token budget
+  ``max_num_batched_tokens`` (minus the running decodes) and the KV cache allow; the first
+  waiting request that does not fit stops admission (no overtaking). A waiting request never
+  displaces a running one: once ``max_num_seqs`` requests run, an LS arrival waits for one to
+  finish (vLLM issue #40004).
+- ``scheduling_policy``: ``fcfs`` (one waiting queue in arrival order) or ``priority`` (a heap
+  on (priority, arrival): LS requests, priority 0, before BE, priority 1).
+- When a running request cannot get a KV block for its next token, a victim is preempted by
+  recompute (``Scheduler.evict``): under ``priority`` the running request with the lowest
+  priority and the latest arrival, under ``fcfs`` the last one admitted (``running.pop()``).
+  A step that preempted admits no waiting request. Preempted requests go back to the front of
+  the waiting queue.
+
+Not modelled: chunked prefill (the batch here is one phase, so a step that admits requests is
+run as a decode iteration of the running requests followed by a prefill iteration of the
+admitted ones, not as one mixed iteration), prefix caching, speculative decoding, and the
+``long_prefill_token_threshold``. A prompt longer than the token budget is admitted alone.
+Memory is the configured model (``memory.model``; vLLM's own is ``paged``).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from policies.core import BE, LS, Batch, Granularity, Sequence
+from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch, priority_victim_key
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class VLLM(Policy):
+    name = "vllm"
+    granularity = Granularity.ITERATION
+
+    def __init__(
+        self,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        scheduling_policy: str = "fcfs",
+    ) -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy={scheduling_policy}: must be one of "
+                f"{', '.join(SCHEDULING_POLICIES)}"
+            )
+        for key, value in (("max_num_seqs", max_num_seqs),
+                           ("max_num_batched_tokens", max_num_batched_tokens)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}={value}: must be an integer >= 1")
+        super().__init__(
+            max_batch_size=max_num_seqs, max_batch_prefill_tokens=max_num_batched_tokens
+        )
+        self.priority = scheduling_policy == "priority"
+        self.decoded = False  # this step's running requests have run; admission comes next
+        self.recomputes_seen = 0  # the scheduler's recompute count when the decode was chosen
+
+    def select(self, s: Scheduler, now: float) -> Batch | None:
+        running = len(s.ready[LS]) + len(s.ready[BE])
+        if running and not self.decoded:
+            return self._decode(s, running)
+        self.decoded = False
+        preempted = s.recomputes != self.recomputes_seen
+        room = self.max_batch_size - running
+        if room > 0 and not (preempted and running):
+            budget = self.max_batch_prefill_tokens - running
+            seqs = s.take_prefill(self._waiting(s), room, budget)
+            if seqs:
+                return prefill_batch(seqs)
+        return self._decode(s, running) if running else None
+
+    def _decode(self, s: Scheduler, running: int) -> Batch | None:
+        self.decoded = True
+        self.recomputes_seen = s.recomputes
+        seqs = s.take_ready(LS, running) + s.take_ready(BE, running)
+        return decode_batch(sorted(seqs, key=lambda q: q.admission))
+
+    def _waiting(self, s: Scheduler):
+        if self.priority:
+            return _class_order(s)
+        # one queue by arrival; preempted requests were put back at its front
+        return heapq.merge(s.waiting[LS], s.waiting[BE], key=_fcfs_key)
+
+    def victim(self, s: Scheduler, batch: Batch) -> Sequence:
+        if self.priority:
+            return max(s.evictable(batch), key=priority_victim_key)
+        return max(s.evictable(batch), key=lambda q: q.admission)
+
+
+def _class_order(s: Scheduler):
+    yield from s.waiting[LS]
+    yield from s.waiting[BE]
+
+
+def _fcfs_key(q: Sequence) -> tuple:
+    return (not q.evicted, q.request.arrival_s, q.id)
