@@ -86,6 +86,12 @@ class Policy:
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
         """Hook called after every completed iteration."""
 
+    def recompute_option(self) -> str | None:
+        """The option under which the policy preempts by recompute even under ``reserve``
+        memory (None: it does not). The real engine, which does not execute recompute, refuses
+        such a run."""
+        return None
+
     def victim(self, s: Scheduler, batch: Batch) -> Sequence:
         """The sequence to preempt by recompute when one of ``batch`` cannot grow: by default
         vLLM V1's priority rule (vllm/v1/core/sched/scheduler.py, ``schedule``): the lowest
@@ -230,6 +236,13 @@ class Scheduler:
         not yet run) and the decode-ready ones; not those of suspended batches."""
         members = batch.sequences if batch is not None else ()
         return itertools.chain(members, self.ready[LS], self.ready[BE])
+
+    def held_tokens(self, what: Sequence | Batch) -> int:
+        """What evicting a sequence, or a suspended batch, would free."""
+        if isinstance(what, Sequence):
+            return self.memory.held_tokens(what)
+        held = sum(self.memory.held_tokens(q) for q in what.sequences)
+        return held + self._held.get(what.id, 0)
 
     def evict(self, seq: Sequence) -> None:
         """Preempt ``seq`` by recompute: free its KV and put it at the front of its waiting
