@@ -67,7 +67,7 @@ class VLLM(Policy):
         self.decoded = False
         preempted = s.recomputes != self.recomputes_seen
         room = self.max_batch_size - running
-        if room > 0 and not (preempted and running):
+        if room > 0 and not preempted:
             budget = self.max_batch_prefill_tokens - running
             seqs = s.take_prefill(self._waiting(s), room, budget)
             if seqs:
