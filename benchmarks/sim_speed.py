@@ -1,6 +1,7 @@
 """Simulator cost: the paper workload (1,000 requests, rate 5/s) under each policy.
 
-Prints one line per policy: ``policy=<name> requests_per_s=<float> events_per_request=<float>``
+Prints one line per policy: ``policy=<name> memory=<model> requests_per_s=<float>
+events_per_request=<float>``
 where requests_per_s is simulated requests per wall-clock second of the executor (the
 workload is built once, outside the timing; the median of --repeats runs is reported).
 """
@@ -16,7 +17,8 @@ from sim.app import CONF_DIR
 from sim.run import simulate
 from sim.workloads import build_workload
 
-POLICIES = ("fcfs", "iteration", "priority", "layer", "qllm")
+POLICIES = ("fcfs", "iteration", "priority", "layer", "qllm", "vllm", "sglang")
+MEMORY = {"vllm": "paged", "sglang": "paged"}  # the engines' own; the others: reserve (TGI's)
 
 
 def main() -> None:
@@ -30,7 +32,8 @@ def main() -> None:
         for policy in args.policies:
             cfg = compose("config", overrides=[
                 f"policy={policy}", "workload=paper", f"workload.rate={args.rate}",
-                f"workload.num_requests={args.num_requests}"])  # fmt: skip
+                f"workload.num_requests={args.num_requests}",
+                f"memory.model={MEMORY.get(policy, 'reserve')}"])  # fmt: skip
             requests = build_workload(cfg.workload, seed=cfg.seed)
             walls, events = [], []
             for _ in range(args.repeats):
@@ -38,7 +41,8 @@ def main() -> None:
                 walls.append(executor["wall_s"])
                 events.append(executor["events"])
             wall = statistics.median(walls)
-            print(f"policy={policy} requests_per_s={len(requests) / wall:.1f} "
+            print(f"policy={policy} memory={cfg.memory.model} "
+                  f"requests_per_s={len(requests) / wall:.1f} "
                   f"events_per_request={events[0] / len(requests):.2f}")  # fmt: skip
 
 
