@@ -113,9 +113,6 @@ class Algorithm1(Policy):
                 return prefill_batch(refill)
         return decode_batch(s.take_ready(BE, size))
 
-    def recompute_option(self) -> str | None:
-        return "evict_be_for_ls" if self.evict_be_for_ls else None
-
     def in_flight(self, s: Scheduler) -> int:
         """Admitted, unfinished sequences: running, decode-ready and suspended."""
         n = sum(len(q) for q in s.ready.values()) + sum(b.size for b in s.suspended)

@@ -86,12 +86,6 @@ class Policy:
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
         """Hook called after every completed iteration."""
 
-    def recompute_option(self) -> str | None:
-        """The option under which the policy preempts by recompute even under ``reserve``
-        memory (None: it does not). The real engine, which does not execute recompute, refuses
-        such a run."""
-        return None
-
     def victim(self, s: Scheduler, batch: Batch) -> Sequence:
         """The sequence to preempt by recompute when one of ``batch`` cannot grow: by default
         vLLM V1's priority rule (vllm/v1/core/sched/scheduler.py, ``schedule``): the lowest

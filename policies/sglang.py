@@ -100,9 +100,6 @@ class SGLang(Policy):
             s.evict_ready(q)
         return True
 
-    def recompute_option(self) -> str | None:
-        return "enable_priority_preemption" if self.enable_priority_preemption else None
-
     def victim(self, s: Scheduler, batch: Batch) -> Sequence:
         """``retract_decode``: fewest generated tokens, then the longest prompt."""
         return min(s.evictable(batch), key=lambda q: (q.generated, -q.request.prompt_tokens))

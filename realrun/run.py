@@ -105,15 +105,11 @@ def execute(
 def realrun(cfg: Any) -> RealOutput:
     """The ``qllm-realrun`` pipeline."""
     validate_realrun(cfg)
-    policy = build_policy(cfg.policy)
-    if policy.recompute_option():  # the engine's KV caches are never rebuilt from tokens
-        raise UserError(f"policy.{policy.recompute_option()}=true: must be false for the real "
-                        "engine (it does not execute recompute preemption)")  # fmt: skip
     runner, _ = load_model(cfg)
     requests, prompts = prepare_requests(cfg, runner)
     memory = measure_memory(runner)
     scheduler = Scheduler(
-        policy,
+        build_policy(cfg.policy),
         kv_capacity_tokens=cfg.kv_capacity_tokens or memory.kv_capacity_tokens,
         activation_tokens_per_token=memory.activation_bytes_per_token / memory.kv_bytes_per_token,
     )

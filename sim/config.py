@@ -166,8 +166,8 @@ def validate(cfg: Any) -> None:
             pol.max_batch_prefill_tokens,
             "must be >= 1",
         )
-    if "memory" in cfg:
-        m = cfg.memory
+    m = getattr(cfg, "memory", None)  # the real engine's config has no memory group
+    if m is not None:
         need(m.model in ("reserve", "paged"), "memory.model", m.model, "must be reserve or paged")
         need(m.block_size_tokens >= 1, "memory.block_size_tokens", m.block_size_tokens, ">= 1")
         need(0 <= m.watermark < 1, "memory.watermark", m.watermark, "must be in [0, 1)")
