@@ -29,6 +29,7 @@ class Granularity(enum.IntEnum):
 class Phase(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    MIXED = "mixed"  # a batch only: decode tokens and prefill chunks in one iteration
 
 
 class Stage(enum.IntEnum):
@@ -71,6 +72,8 @@ class Sequence:
     recomputes: int = 0  # times its KV was freed, to be recomputed (paged memory's preemption)
     evicted: bool = False  # its KV is freed: the next iteration re-prefills prompt + generated
     admission: int = -1  # order of its latest admission from a waiting queue (vLLM's running)
+    prefilled_tokens: int = 0  # of its prefill (prompt + generated), in KV so far when chunked
+    chunk_tokens: int = 0  # the next iteration's prefill chunk (0: all that remains)
 
     @property
     def id(self) -> int:
@@ -92,16 +95,22 @@ class Sequence:
     def context_tokens(self) -> int:
         """Tokens in the KV cache before the next iteration runs."""
         if self.generated == 0 or self.evicted:
-            return 0
+            return self.prefilled_tokens
         return self.request.prompt_tokens + self.generated - 1
 
     @property
     def new_tokens(self) -> int:
         """Tokens the next iteration feeds through the model for this sequence: the prompt,
-        plus the tokens generated before an eviction when it is recomputed."""
+        plus the tokens generated before an eviction when it is recomputed (or the chunk of
+        them a chunked prefill takes)."""
         if self.generated == 0 or self.evicted:
-            return self.request.prompt_tokens + self.generated
+            return self.chunk_tokens or self.prefill_left_tokens
         return 1
+
+    @property
+    def prefill_left_tokens(self) -> int:
+        """What its prefill still has to feed (meaningful in the prefill phase)."""
+        return self.request.prompt_tokens + self.generated - self.prefilled_tokens
 
     @property
     def reserved_tokens(self) -> int:
@@ -118,7 +127,8 @@ _batch_ids = itertools.count()
 
 @dataclass
 class Batch:
-    """Sequences that run one iteration together (all prefill or all decode).
+    """Sequences that run one iteration together: all prefill, all decode, or mixed (decode
+    tokens and prefill chunks, each sequence with its own ``new_tokens``).
 
     ``cursor`` is the number of stages of the current iteration already executed; the executor
     maps it to (layer, stage, expert). ``plan`` is the executor's private state for the
@@ -136,6 +146,8 @@ class Batch:
     def __post_init__(self) -> None:
         if not self.sequences:
             raise ValueError("a batch needs at least one sequence")
+        if self.phase is Phase.MIXED:
+            return
         wrong = [s.id for s in self.sequences if s.phase is not self.phase]
         if wrong:
             raise ValueError(f"sequences {wrong} are not in phase {self.phase.value}")

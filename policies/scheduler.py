@@ -114,6 +114,7 @@ class Scheduler:
         self.activation_tokens_per_token = activation_tokens_per_token
         self.waiting: dict[str, deque[Sequence]] = {LS: deque(), BE: deque()}  # prefill queues
         self.ready: dict[str, deque[Sequence]] = {LS: deque(), BE: deque()}  # decode queues
+        self.prefilling: deque[Sequence] = deque()  # admitted, prefill chunked part of the way
         self.running: Batch | None = None
         self.suspended: list[Batch] = []
         self._held: dict[int, int] = {}  # batch id -> activation tokens held while suspended
@@ -183,6 +184,13 @@ class Scheduler:
         batch.plan = None
         finished = []
         for seq in batch.sequences:
+            if seq.chunk_tokens:  # a prefill chunk: a token only once the prefill is whole
+                seq.prefilled_tokens += seq.chunk_tokens
+                seq.chunk_tokens = 0
+                if seq.prefill_left_tokens:
+                    self.prefilling.append(seq)
+                    continue
+                seq.prefilled_tokens = 0
             seq.generated += 1
             seq.evicted = False
             if seq.first_token_s is None:
@@ -204,7 +212,7 @@ class Scheduler:
     @property
     def in_system(self) -> int:
         n = sum(len(q) for q in self.waiting.values()) + sum(len(q) for q in self.ready.values())
-        n += sum(b.size for b in self.suspended)
+        n += sum(b.size for b in self.suspended) + len(self.prefilling)
         return n + (self.running.size if self.running else 0)
 
     # ------------------------------------------------------------------------- policy helpers
@@ -227,9 +235,10 @@ class Scheduler:
 
     def evictable(self, batch: Batch | None = None) -> Iterator[Sequence]:
         """Sequences holding KV that a recompute may preempt: those of ``batch`` (being formed,
-        not yet run) and the decode-ready ones; not those of suspended batches."""
+        not yet run), the decode-ready ones and chunked prefills between chunks; not those of
+        suspended batches."""
         members = batch.sequences if batch is not None else ()
-        return itertools.chain(members, self.ready[LS], self.ready[BE])
+        return itertools.chain(members, self.ready[LS], self.ready[BE], self.prefilling)
 
     def held_tokens(self, what: Sequence | Batch) -> int:
         """What evicting a sequence, or a suspended batch, would free."""
@@ -243,6 +252,7 @@ class Scheduler:
         queue; its generated tokens are kept, and its next prefill recomputes prompt +
         generated tokens. The caller has taken it out of the batch or queue it was in."""
         self.memory.free(seq)
+        seq.prefilled_tokens = seq.chunk_tokens = 0
         seq.evicted = True
         seq.recomputes += 1
         self.recomputes += 1
@@ -261,8 +271,8 @@ class Scheduler:
             self.evict(seq)
 
     def _grow(self, batch: Batch) -> bool:
-        """Charge what each sequence of a fresh decode batch writes; when one cannot grow,
-        preempt the policy's victims by recompute until it can (or it is the victim itself).
+        """Charge what each sequence of a fresh decode (or mixed) batch writes; when one cannot
+        grow, preempt the policy's victims by recompute until it can (or it is the victim).
         Returns whether any sequence is left to run."""
         gone: set[int] = set()
         for seq in list(batch.sequences):
@@ -272,6 +282,8 @@ class Scheduler:
                 victim = self.policy.victim(self, batch)
                 if victim in batch.sequences:
                     batch.sequences.remove(victim)
+                elif victim in self.prefilling:
+                    self.prefilling.remove(victim)
                 else:
                     self.ready[victim.cls].remove(victim)
                 gone.add(victim.id)

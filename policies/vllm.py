@@ -1,7 +1,7 @@
-"""vLLM V1's scheduler, without chunked prefill.
+"""vLLM V1's scheduler, with or without chunked prefill.
 
 Reproduces ``Scheduler.schedule`` of vLLM V1 (vllm/v1/core/sched/scheduler.py, as in the
-v0.9-v0.11 releases) for a model run with chunked prefill off:
+v0.9-v0.11 releases):
 
 - One engine step first schedules the running requests (one decode token each), then the
   waiting ones, in queue order, while ``max_num_seqs`` running requests, the step's token budget
@@ -17,18 +17,29 @@ v0.9-v0.11 releases) for a model run with chunked prefill off:
   A step that preempted admits no waiting request. Preempted requests go back to the front of
   the waiting queue.
 
-Not modelled: chunked prefill (the batch here is one phase, so a step that admits requests is
-run as a decode iteration of the running requests followed by a prefill iteration of the
-admitted ones, not as one mixed iteration), prefix caching, speculative decoding, and the
-``long_prefill_token_threshold``. A prompt longer than the token budget is admitted alone.
-Memory is the configured model (``memory.model``; vLLM's own is ``paged``).
+- ``enable_chunked_prefill`` (vLLM's default is true; ours false, the form the real engine
+  runs): one step is one mixed iteration. The
+  running requests come first, in admission order, each taking one decode token, or the next
+  chunk of its prompt (as much as the budget leaves) when its prefill is unfinished; then
+  waiting requests, each taking a chunk of what is left. A prompt is thus split over several
+  iterations, and its first token comes with its last chunk. False: a step that admits requests
+  runs as a decode iteration of the running requests followed by a prefill iteration of the
+  admitted ones (a batch is then one phase), and a prompt longer than the token budget is
+  admitted alone.
+
+Not modelled: prefix caching, speculative decoding, ``long_prefill_token_threshold``, and the
+attention of a chunk over its cached prefix (the latency model costs a chunk's attention as a
+prefill of its own tokens). Growth preemptions are decided after a step is chosen (when its
+batch is charged), so "a step that preempted admits nothing" applies to the step after it.
+Memory is the configured model (``memory.model``; vLLM's own is ``paged``). The real engine
+runs the one-phase form only.
 """
 
 from __future__ import annotations
 
 import heapq
 
-from policies.core import BE, LS, Batch, Granularity, Sequence
+from policies.core import BE, LS, Batch, Granularity, Phase, Sequence
 from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch, priority_victim_key
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -43,6 +54,7 @@ class VLLM(Policy):
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         scheduling_policy: str = "fcfs",
+        enable_chunked_prefill: bool = False,
     ) -> None:
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -57,22 +69,56 @@ class VLLM(Policy):
             max_batch_size=max_num_seqs, max_batch_prefill_tokens=max_num_batched_tokens
         )
         self.priority = scheduling_policy == "priority"
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.decoded = False  # this step's running requests have run; admission comes next
         self.recomputes_seen = 0  # the scheduler's recompute count when the decode was chosen
 
     def select(self, s: Scheduler, now: float) -> Batch | None:
+        if self.enable_chunked_prefill:
+            return self._step(s)
         running = len(s.ready[LS]) + len(s.ready[BE])
         if running and not self.decoded:
             return self._decode(s, running)
         self.decoded = False
         preempted = s.recomputes != self.recomputes_seen
         room = self.max_batch_size - running
-        if room > 0 and not preempted:
+        if room > 0 and not (preempted and running):  # none left running: admit again
             budget = self.max_batch_prefill_tokens - running
             seqs = s.take_prefill(self._waiting(s), room, budget)
             if seqs:
                 return prefill_batch(seqs)
         return self._decode(s, running) if running else None
+
+    def _step(self, s: Scheduler) -> Batch | None:
+        """One mixed iteration under the token budget: running requests, then waiting ones."""
+        preempted = s.recomputes != self.recomputes_seen
+        budget = self.max_batch_prefill_tokens
+        running = sorted([*s.ready[LS], *s.ready[BE], *s.prefilling], key=lambda q: q.admission)
+        seqs = []
+        for q in running:
+            if budget <= 0:
+                break
+            if q.phase is Phase.PREFILL:
+                q.chunk_tokens = min(q.prefill_left_tokens, budget)
+                s.prefilling.remove(q)
+            else:
+                s.ready[q.cls].remove(q)
+            seqs.append(q)
+            budget -= q.new_tokens
+        if not (preempted and running):
+            slots = self.max_batch_size - len(running)
+            for q in list(self._waiting(s)):
+                if budget <= 0 or slots <= 0:
+                    break
+                q.chunk_tokens = min(q.prefill_left_tokens, budget)
+                if not s.take_prefill([q], 1, q.chunk_tokens):
+                    q.chunk_tokens = 0
+                    break
+                seqs.append(q)
+                budget -= q.chunk_tokens
+                slots -= 1
+        self.recomputes_seen = s.recomputes
+        return Batch(seqs, Phase.MIXED) if seqs else None
 
     def _decode(self, s: Scheduler, running: int) -> Batch | None:
         self.decoded = True

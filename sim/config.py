@@ -172,10 +172,10 @@ def validate(cfg: Any) -> None:
         need(m.block_size_tokens >= 1, "memory.block_size_tokens", m.block_size_tokens, ">= 1")
         need(0 <= m.watermark < 1, "memory.watermark", m.watermark, "must be in [0, 1)")
     need(slo.ls_ttft_s > 0, "slo.ls_ttft_s", slo.ls_ttft_s, "must be > 0 seconds")
-    if "cluster" in cfg:
+    c = getattr(cfg, "cluster", None)  # the real engine's config has no cluster group
+    if c is not None:
         from sim.cluster import ROUTERS
 
-        c = cfg.cluster
         need(c.replicas >= 1, "cluster.replicas", c.replicas, "must be >= 1")
         need(c.router in ROUTERS, "cluster.router", c.router, f"one of {', '.join(ROUTERS)}")
         if c.router == "ls_dedicated":

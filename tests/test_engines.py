@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from conftest import linear_profile
 
 from policies import Phase, Request, Scheduler
 from policies.memory import PagedMemory
 from policies.qllm import QLLM
 from policies.sglang import SGLang
 from policies.vllm import VLLM
+from sim.latency import LatencyModel, RoutingModel
 
 
 def req(i, cls="BE", prompt=4, out=10, t=0.0):
@@ -186,3 +188,66 @@ def test_qllm_preempts_for_ls_when_evicting_other_be_kv_makes_room(evict):
         s.preempt(1)
         assert ids(s.next_batch(1)) == [2]
         assert be0.recomputes == 1 and s.suspended == [running]
+
+
+# ------------------------------------------------------------- vllm with chunked prefill
+def chunked(**kwargs):
+    return VLLM(enable_chunked_prefill=True, **kwargs)
+
+
+def test_chunked_prefill_splits_a_prompt_and_mixes_it_with_decodes():
+    s = Scheduler(chunked(max_num_batched_tokens=10), kv_capacity_tokens=10_000)
+    be = s.arrive(req(0, prompt=4, out=8), 0)
+    step(s)
+    ls = s.arrive(req(1, "LS", prompt=25, out=3), 0)
+    chunks = []
+    while ls.first_token_s is None:
+        batch = s.next_batch(1)
+        assert batch.phase is Phase.MIXED and be in batch.sequences  # decodes never wait
+        chunks.append((ls.new_tokens, ls.context_tokens))
+        s.complete_iteration(1)
+    assert chunks == [(9, 0), (9, 9), (7, 18)]  # the budget less one decode token
+    assert ls.generated == 1 and be.generated == 4
+    batch = s.next_batch(2)
+    assert [q.new_tokens for q in batch.sequences] == [1, 1] and ls.context_tokens == 25
+
+
+def test_chunked_prefill_runs_running_requests_first_then_waiting_ones():
+    s = Scheduler(chunked(max_num_batched_tokens=8), kv_capacity_tokens=10_000)
+    a = s.arrive(req(0, prompt=12), 0)
+    batch = s.next_batch(0)
+    assert [q.new_tokens for q in batch.sequences] == [8]
+    s.complete_iteration(0)
+    b = s.arrive(req(1, prompt=5), 0)
+    batch = s.next_batch(0)  # a's last 4 prompt tokens, then 4 of b's 5
+    assert [(q.id, q.new_tokens) for q in batch.sequences] == [(0, 4), (1, 4)]
+    s.complete_iteration(0)
+    assert a.generated == 1 and b.generated == 0 and list(s.prefilling) == [b]
+
+
+def test_chunks_allocate_blocks_as_they_land():
+    memory = paged(64, block=4)
+    s = Scheduler(chunked(max_num_batched_tokens=6), kv_capacity_tokens=64, memory=memory)
+    s.arrive(req(0, prompt=14, out=2), 0)
+    step(s)
+    assert memory.blocks == {0: 2}  # 6 tokens
+    step(s)
+    assert memory.blocks == {0: 3}  # 12 tokens
+    step(s)
+    assert memory.blocks == {0: 4}  # 14 tokens, and its first token
+
+
+def test_a_mixed_iteration_is_costed_by_its_prefill_chunks_and_decodes():
+    latency = LatencyModel(linear_profile(num_layers=2, num_experts=4, attn_ms=1.0),
+                           RoutingModel(2, 4, 2))  # fmt: skip
+    s = Scheduler(chunked(max_num_batched_tokens=10), kv_capacity_tokens=10_000)
+    s.arrive(req(0, prompt=4, out=8), 0)
+    s.arrive(req(1, prompt=3, out=8), 0)
+    step(s)
+    s.arrive(req(2, "LS", prompt=25), 0)
+    batch = s.next_batch(0)
+    plan = latency.plan(batch)
+    assert batch.new_tokens == 10  # two decode tokens and an 8-token chunk
+    assert plan.expert_tokens.sum() == 10 * 2 * 2  # tokens x top_k x layers
+    # attention: one prefill chunk (1 ms) plus one decode attention of two sequences (1 ms)
+    assert plan.attention_s == pytest.approx(2e-3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import linear_profile
 from hydra import compose, initialize_config_dir
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from policies import Phase, Request, Scheduler, Sequence
@@ -155,6 +155,8 @@ def _policies():
         ),
         "vllm-fcfs": lambda b, t: VLLM(max_num_seqs=b, max_num_batched_tokens=t),
         "vllm-priority": lambda b, t: VLLM(b, t, scheduling_policy="priority"),
+        "vllm-chunked": lambda b, t: VLLM(b, t, enable_chunked_prefill=True),
+        "vllm-chunked-priority": lambda b, t: VLLM(b, t, "priority", enable_chunked_prefill=True),
         "sglang": lambda b, t: SGLang(max_batch_size=b, max_batch_prefill_tokens=t),
     }
 
@@ -183,6 +185,10 @@ request_lists = st.lists(
     block=st.sampled_from([1, 4, 16]),
     budget=st.integers(1, 300),
 )
+@example(  # the one running request finishes in the step that preempted the other
+    rows=[(0.0, "LS", 37, 34), (0.0, "LS", 39, 33), (0.0625, "LS", 1, 30)],
+    policy="vllm-fcfs", model="paged", batch=3, capacity=170, block=1, budget=1,
+)  # fmt: skip
 def test_every_arrived_request_completes_under_memory_pressure(
     rows, policy, model, batch, capacity, block, budget
 ):
