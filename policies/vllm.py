@@ -71,7 +71,7 @@ class VLLM(Policy):
         self.priority = scheduling_policy == "priority"
         self.enable_chunked_prefill = enable_chunked_prefill
         self.decoded = False  # this step's running requests have run; admission comes next
-        self.recomputes_seen = 0  # the scheduler's recompute count when the decode was chosen
+        self.recomputes_seen = 0  # the recompute count when the last step was chosen
 
     def select(self, s: Scheduler, now: float) -> Batch | None:
         if self.enable_chunked_prefill:
