@@ -15,7 +15,8 @@ v0.9-v0.11 releases):
   recompute (``Scheduler.evict``): under ``priority`` the running request with the lowest
   priority and the latest arrival, under ``fcfs`` the last one admitted (``running.pop()``).
   A step that preempted admits no waiting request. Preempted requests go back to the front of
-  the waiting queue.
+  the waiting queue (under ``priority``: of their class's queue, where vLLM re-inserts them in
+  its heap by arrival; the two agree when they arrived before the requests waiting there).
 
 - ``enable_chunked_prefill`` (vLLM's default is true; ours false, the form the real engine
   runs): one step is one mixed iteration. The
