@@ -17,8 +17,13 @@ from sim.app import CONF_DIR
 from sim.run import simulate
 from sim.workloads import build_workload
 
-POLICIES = ("fcfs", "iteration", "priority", "layer", "qllm", "vllm", "sglang")
-MEMORY = {"vllm": "paged", "sglang": "paged"}  # the engines' own; the others: reserve (TGI's)
+POLICIES = ("fcfs", "iteration", "priority", "layer", "qllm", "vllm", "vllm-chunked", "sglang")
+# the engines run their own paged memory; the others reserve (TGI's)
+VARIANTS = {  # name -> (policy file, overrides)
+    "vllm": ("vllm", ["memory.model=paged"]),
+    "vllm-chunked": ("vllm", ["policy.enable_chunked_prefill=true", "memory.model=paged"]),
+    "sglang": ("sglang", ["memory.model=paged"]),
+}
 
 
 def main() -> None:
@@ -30,10 +35,10 @@ def main() -> None:
     args = ap.parse_args()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for policy in args.policies:
+            name, extra = VARIANTS.get(policy, (policy, []))
             cfg = compose("config", overrides=[
-                f"policy={policy}", "workload=paper", f"workload.rate={args.rate}",
-                f"workload.num_requests={args.num_requests}",
-                f"memory.model={MEMORY.get(policy, 'reserve')}"])  # fmt: skip
+                f"policy={name}", "workload=paper", f"workload.rate={args.rate}",
+                f"workload.num_requests={args.num_requests}", *extra])  # fmt: skip
             requests = build_workload(cfg.workload, seed=cfg.seed)
             walls, events = [], []
             for _ in range(args.repeats):
