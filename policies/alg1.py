@@ -32,8 +32,14 @@ Options (each a Hydra key ``policy.<name>``):
   the limit plus what an LS job would wait at that moment, not absolutely: Algorithm 1 itself
   lets LS prefills (step 2) delay every decode.
 
-Memory: prompt + output tokens reserved on admission; a suspended batch also holds its saved
-activations. Nothing is evicted: when memory is short, LS work waits like any other.
+- ``evict_be_for_ls`` (ours, default false): when the first waiting LS job does not fit in
+  KV memory, BE work is preempted by recompute to make room (``Scheduler.evict``): decode-ready
+  BE jobs, latest arrival first, then suspended BE batches (their KV, their saved activations
+  and the work of their unfinished iteration), oldest first; only if that frees enough.
+
+Memory: the configured model (``reserve``: prompt + output tokens on admission); a suspended
+batch also holds its saved activations. Unless ``evict_be_for_ls`` is set, nothing is evicted
+for LS work: when memory is short, LS work waits like any other.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class Algorithm1(Policy):
         fill_be_prefill: bool = True,
         max_in_flight: int | None = None,
         be_max_wait_s: float | None = None,
+        evict_be_for_ls: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -67,6 +74,7 @@ class Algorithm1(Policy):
         self.fill_be_prefill = fill_be_prefill
         self.max_in_flight = cap("max_in_flight", max_in_flight)
         self.be_max_wait_s = be_max_wait_s
+        self.evict_be_for_ls = evict_be_for_ls
         self.last_token_s: dict[int, float] = {}  # unfinished sequence id -> its last token
         self.promoted: set[int] = set()  # overdue BE ids served as LS until their next token
 
@@ -78,12 +86,15 @@ class Algorithm1(Policy):
         if len(ls_ready) >= size:
             return self._decode(s, list(itertools.islice(ls_ready, size)), size)
         if ls_waiting and slots > 0:
+            if self.evict_be_for_ls:
+                head = next(iter(ls_waiting))
+                self._evict_be(s, s.memory.admit_tokens(head))
             ls = s.take_prefill(ls_waiting, min(size, slots), budget)
             if ls:
                 self._promote(ls)
                 room = min(size, slots) - len(ls)
                 if self.fill_be_prefill and room > 0:
-                    used = sum(q.request.prompt_tokens for q in ls)
+                    used = sum(q.new_tokens for q in ls)
                     fill = s.waiting[BE]
                     ls += s.take_prefill(fill, room, budget - used, alone_if_oversized=False)
                 return prefill_batch(ls)
@@ -125,6 +136,29 @@ class Algorithm1(Policy):
             s.ready[q.cls].remove(q)
         self._promote(first)
         return decode_batch(first + s.take_ready(BE, size - len(first)))
+
+    # ----------------------------------------------------------------- evict BE for LS
+    def _be_victims(self, s: Scheduler) -> list:
+        """BE work whose KV may go: decode-ready BE jobs, latest arrival first, then suspended
+        batches without LS work, oldest first; none served as LS (starvation guard)."""
+        ready = [q for q in s.ready[BE] if q.id not in self.promoted]
+        ready.sort(key=lambda q: (q.request.arrival_s, q.id), reverse=True)
+        return ready + [b for b in s.suspended if not self.protected(b)]
+
+    def evictable_be_tokens(self, s: Scheduler) -> int:
+        return sum(s.held_tokens(v) for v in self._be_victims(s))
+
+    def _evict_be(self, s: Scheduler, tokens: int) -> None:
+        """Free BE KV until an admission charge of ``tokens`` fits, if evicting can make it."""
+        if s.fits(tokens) or not s.fits(tokens - self.evictable_be_tokens(s)):
+            return
+        for v in self._be_victims(s):
+            if s.fits(tokens):
+                return
+            if isinstance(v, Batch):
+                s.evict_suspended(v)
+            else:
+                s.evict_ready(v)
 
     # ------------------------------------------------------------------- starvation guard
     def _waiting_since(self, q: Sequence) -> float:

@@ -30,6 +30,7 @@ class Granularity(enum.IntEnum):
 class Phase(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    MIXED = "mixed"  # a batch only: decode tokens and prefill chunks in one iteration
 
 
 class Stage(enum.IntEnum):
@@ -67,8 +68,13 @@ class Sequence:
     generated: int = 0  # tokens produced so far (the prefill produces the first)
     first_token_s: float | None = None
     finish_s: float | None = None
-    preemptions: int = 0
+    preemptions: int = 0  # times a batch holding it was suspended inside an iteration
     scheduled_s: float | None = None  # first time the sequence entered an executing batch
+    recomputes: int = 0  # times its KV was freed, to be recomputed (paged memory's preemption)
+    evicted: bool = False  # its KV is freed: the next iteration re-prefills prompt + generated
+    admission: int = -1  # order of its latest admission from a waiting queue (vLLM's running)
+    prefilled_tokens: int = 0  # of its prefill (prompt + generated), in KV so far when chunked
+    chunk_tokens: int = 0  # the next iteration's prefill chunk (0: all that remains)
     last_token_s: float | None = None
     # the gap before each token after the first (inter-token latency), float32: 4 bytes a token
     # rather than a list of times (32 bytes a token), since 1M requests x 500 tokens is common
@@ -94,17 +100,28 @@ class Sequence:
 
     @property
     def phase(self) -> Phase:
-        return Phase.PREFILL if self.generated == 0 else Phase.DECODE
+        return Phase.PREFILL if self.generated == 0 or self.evicted else Phase.DECODE
 
     @property
     def context_tokens(self) -> int:
         """Tokens in the KV cache before the next iteration runs."""
-        return 0 if self.generated == 0 else self.request.prompt_tokens + self.generated - 1
+        if self.generated == 0 or self.evicted:
+            return self.prefilled_tokens
+        return self.request.prompt_tokens + self.generated - 1
 
     @property
     def new_tokens(self) -> int:
-        """Tokens the next iteration feeds through the model for this sequence."""
-        return self.request.prompt_tokens if self.generated == 0 else 1
+        """Tokens the next iteration feeds through the model for this sequence: the prompt,
+        plus the tokens generated before an eviction when it is recomputed (or the chunk of
+        them a chunked prefill takes)."""
+        if self.generated == 0 or self.evicted:
+            return self.chunk_tokens or self.prefill_left_tokens
+        return 1
+
+    @property
+    def prefill_left_tokens(self) -> int:
+        """What its prefill still has to feed (meaningful in the prefill phase)."""
+        return self.request.prompt_tokens + self.generated - self.prefilled_tokens
 
     @property
     def reserved_tokens(self) -> int:
@@ -121,7 +138,8 @@ _batch_ids = itertools.count()
 
 @dataclass
 class Batch:
-    """Sequences that run one iteration together (all prefill or all decode).
+    """Sequences that run one iteration together: all prefill, all decode, or mixed (decode
+    tokens and prefill chunks, each sequence with its own ``new_tokens``).
 
     ``cursor`` is the number of stages of the current iteration already executed; the executor
     maps it to (layer, stage, expert). ``plan`` is the executor's private state for the
@@ -139,6 +157,8 @@ class Batch:
     def __post_init__(self) -> None:
         if not self.sequences:
             raise ValueError("a batch needs at least one sequence")
+        if self.phase is Phase.MIXED:
+            return
         wrong = [s.id for s in self.sequences if s.phase is not self.phase]
         if wrong:
             raise ValueError(f"sequences {wrong} are not in phase {self.phase.value}")

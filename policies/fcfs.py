@@ -3,7 +3,8 @@
 The oldest waiting requests form a batch (up to ``max_batch_size`` and the prefill token
 budget); the batch is prefilled, then decodes until every sequence in it has finished. Nothing
 joins a running batch. Memory: a request whose KV reservation does not fit waits for the next
-batch; the batch forms from the requests before it (no overtaking).
+batch; the batch forms from the requests before it (no overtaking). Under paged memory a
+member preempted by recompute leaves the batch and joins the next one.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ class FCFS(Policy):
         self.members: set[int] = set()  # ids of the running static batch
 
     def select(self, s: Scheduler, now: float) -> Batch | None:
-        if self.members:
-            ready = [q for c in s.ready for q in s.ready[c] if q.id in self.members]
+        ready = [q for c in s.ready for q in s.ready[c] if q.id in self.members]
+        if ready:
             for seq in ready:
                 s.ready[seq.cls].remove(seq)
             return decode_batch(sorted(ready, key=lambda q: q.id))

@@ -3,8 +3,9 @@
 Selection, options and memory behaviour are those of ``alg1`` (policies/alg1.py). A running
 batch without LS jobs is preempted at the next boundary (after an attention or router stage,
 or at a layer's end) once an LS job waits, it can be admitted (``max_in_flight``), and its KV
-reservation, plus the suspended batch's saved activations, fit in memory; otherwise it keeps
-running. The executors ask only when a request arrives.
+reservation, plus the suspended batch's saved activations, fit in memory (with
+``evict_be_for_ls``: once BE KV outside the running batch is counted as free); otherwise it
+keeps running. The executors ask only when a request arrives.
 
 Option ``preempt_prefill`` (default true, Algorithm 1 as the paper reads it: any batch without
 LS jobs may be preempted, prefills included). False follows the authors' public code
@@ -37,5 +38,7 @@ class LayerPreemptive(Algorithm1):
             return False
         if self.in_flight(s) >= self.max_in_flight:
             return False
-        first = s.waiting[LS][0]
-        return s.fits(first.reserved_tokens + s.activation_tokens(running))
+        need = s.memory.admit_tokens(s.waiting[LS][0]) + s.activation_tokens(running)
+        if self.evict_be_for_ls:  # BE KV outside the running batch may make room
+            need -= self.evictable_be_tokens(s)
+        return s.fits(need)

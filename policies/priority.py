@@ -1,11 +1,17 @@
 """Priority scheduling decided only between iterations, like vLLM's ``priority`` policy.
 
 Waiting requests are admitted LS first, then BE, each FIFO, whenever the running batch has
-room (prefill-first continuous batching, as vLLM's default scheduler). Nothing is preempted
-mid-iteration, and a full batch is not broken up for an LS arrival: the LS request waits for
-a slot (vLLM's known limitation when ``max_num_seqs`` is reached).
+room (prefill-first continuous batching). Nothing is preempted mid-iteration, and a full batch
+is not broken up for an LS arrival: the LS request waits for a slot (vLLM's known limitation
+when ``max_num_seqs`` is reached, issue #40004).
 
-Memory: as ``iteration``: prompt + output tokens reserved on admission; what does not fit waits.
+Of vLLM it models the priority order of admission and that limitation; under ``paged`` memory
+also V1's victim rule (lowest priority, latest arrival, by recompute; ``Policy.victim``). It
+does not model V1's step (running requests before waiting ones under one token budget, no
+admission in a step that preempted) or chunked prefill: ``vllm`` (policies/vllm.py) does.
+
+Memory: the configured model; under ``reserve`` prompt + output tokens are reserved on
+admission and what does not fit waits.
 """
 
 from __future__ import annotations

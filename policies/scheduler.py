@@ -12,22 +12,30 @@ The executor contract (simulator and real engine alike)::
     sched.preempt(now)                         # the batch is suspended, keeping its plan
     finished = sched.complete_iteration(now)   # at the end of the iteration
 
-Memory: every sequence reserves prompt + output tokens of KV cache when it is admitted to a
-prefill batch (TGI's ``max_new_tokens`` reservation), so a running batch never runs out of KV
-cache and nothing is ever evicted or recomputed. A request whose reservation does not fit waits
-in its queue. A suspended batch also holds its saved activations (hidden states, routing and
-partial expert outputs), charged as ``activation_tokens_per_token`` KV-token equivalents per
-token in flight; a policy does not preempt when that charge does not fit.
+Memory is a component (policies/memory.py) the scheduler asks: can this sequence be admitted
+(``take_prefill``), can it grow (before every fresh decode batch runs), what does freeing it
+release. Under ``reserve`` (TGI) a sequence reserves prompt + output tokens on admission, so a
+running batch never runs out of KV cache. Under ``paged`` (vLLM, SGLang) blocks are allocated
+as tokens are written; when a sequence of a new decode batch cannot grow, the policy names a
+victim (``Policy.victim``) and the scheduler preempts it by recompute (``evict``): its blocks
+are freed, it goes back to the front of its waiting queue with its generated tokens kept, and
+its next prefill recomputes prompt + generated tokens. A request whose largest footprint
+exceeds the capacity is refused on arrival. A suspended batch also holds its saved activations
+(hidden states, routing and partial expert outputs), charged as ``activation_tokens_per_token``
+KV-token equivalents per token in flight; a policy does not preempt when that charge does not
+fit. Sequences of a suspended batch are never victims of a growth shortage.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator
 
 from policies.core import BE, LS, Batch, Granularity, Phase, Request, Sequence
+from policies.memory import Memory, ReserveMemory
 
 
 class CapacityError(ValueError):
@@ -78,6 +86,17 @@ class Policy:
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
         """Hook called after every completed iteration."""
 
+    def victim(self, s: Scheduler, batch: Batch) -> Sequence:
+        """The sequence to preempt by recompute when one of ``batch`` cannot grow: by default
+        vLLM V1's priority rule (vllm/v1/core/sched/scheduler.py, ``schedule``): the lowest
+        priority (BE before LS), then the latest arrival, among the sequences holding KV
+        outside suspended batches (``Scheduler.evictable``)."""
+        return max(s.evictable(batch), key=priority_victim_key)
+
+
+def priority_victim_key(q: Sequence) -> tuple:
+    return (not q.is_ls, q.request.arrival_s, q.id)
+
 
 class Scheduler:
     def __init__(
@@ -85,21 +104,24 @@ class Scheduler:
         policy: Policy,
         kv_capacity_tokens: int,
         activation_tokens_per_token: float = 0.0,
+        memory: Memory | None = None,
     ) -> None:
-        if kv_capacity_tokens < 1:
-            raise ValueError("kv_capacity_tokens must be >= 1")
+        """``memory``: the KV memory model (None: ``reserve`` over ``kv_capacity_tokens``);
+        when given, its own capacity is the scheduler's."""
+        self.memory = memory if memory is not None else ReserveMemory(kv_capacity_tokens)
         self.policy = policy
-        self.kv_capacity_tokens = kv_capacity_tokens
+        self.kv_capacity_tokens = self.memory.capacity_tokens
         self.activation_tokens_per_token = activation_tokens_per_token
         self.waiting: dict[str, deque[Sequence]] = {LS: deque(), BE: deque()}  # prefill queues
         self.ready: dict[str, deque[Sequence]] = {LS: deque(), BE: deque()}  # decode queues
+        self.prefilling: deque[Sequence] = deque()  # admitted, prefill chunked part of the way
         self.running: Batch | None = None
         self.suspended: list[Batch] = []
-        self.kv_used_tokens = 0
-        self.peak_kv_used_tokens = 0
         self._held: dict[int, int] = {}  # batch id -> activation tokens held while suspended
         self.iterations = 0
         self.preemptions = 0
+        self.recomputes = 0
+        self._admissions = itertools.count()
 
     # ----------------------------------------------------------------------------- executor API
     @property
@@ -113,9 +135,10 @@ class Scheduler:
 
     def arrive(self, request: Request, now: float) -> Sequence:
         seq = Sequence(request)
-        if seq.reserved_tokens > self.kv_capacity_tokens:
+        need = self.memory.max_tokens(seq)
+        if need > self.kv_capacity_tokens:
             raise CapacityError(
-                f"request {request.id} needs {seq.reserved_tokens} KV tokens, more than the "
+                f"request {request.id} needs {need} KV tokens, more than the "
                 f"capacity of {self.kv_capacity_tokens}"
             )
         self.waiting[request.cls].append(seq)
@@ -124,12 +147,17 @@ class Scheduler:
     def next_batch(self, now: float) -> Batch | None:
         if self.running is not None:
             raise RuntimeError("next_batch called while a batch is running")
-        batch = self.policy.select(self, now)
-        if batch is None:
-            return None
-        if batch in self.suspended:
-            self.suspended.remove(batch)
-            self._release(self._held.pop(batch.id))
+        while True:
+            batch = self.policy.select(self, now)
+            if batch is None:
+                return None
+            if batch in self.suspended:
+                self.suspended.remove(batch)
+                self.memory.release(self._held.pop(batch.id))
+                break
+            # a fresh decode batch grows; if all its sequences were preempted, select again
+            if not self.memory.grows or batch.phase is Phase.PREFILL or self._grow(batch):
+                break
         for seq in batch.sequences:
             if seq.scheduled_s is None:
                 seq.scheduled_s = now
@@ -142,7 +170,7 @@ class Scheduler:
     def preempt(self, now: float) -> Batch:
         batch = self._take_running()
         held = self.activation_tokens(batch)
-        self._reserve(held)
+        self.memory.hold(held)
         self._held[batch.id] = held
         for seq in batch.sequences:
             seq.preemptions += 1
@@ -156,13 +184,21 @@ class Scheduler:
         batch.plan = None
         finished = []
         for seq in batch.sequences:
+            if seq.chunk_tokens:  # a prefill chunk: a token only once the prefill is whole
+                seq.prefilled_tokens += seq.chunk_tokens
+                seq.chunk_tokens = 0
+                if seq.prefill_left_tokens:
+                    self.prefilling.append(seq)
+                    continue
+                seq.prefilled_tokens = 0
             seq.generated += 1
             seq.record_token(now)
+            seq.evicted = False
             if seq.first_token_s is None:
                 seq.first_token_s = now
             if seq.done:
                 seq.finish_s = now
-                self._release(seq.reserved_tokens)
+                self.memory.free(seq)
                 finished.append(seq)
             else:
                 self.ready[seq.cls].append(seq)
@@ -177,7 +213,7 @@ class Scheduler:
     @property
     def in_system(self) -> int:
         n = sum(len(q) for q in self.waiting.values()) + sum(len(q) for q in self.ready.values())
-        n += sum(b.size for b in self.suspended)
+        n += sum(b.size for b in self.suspended) + len(self.prefilling)
         return n + (self.running.size if self.running else 0)
 
     # ------------------------------------------------------------------------- policy helpers
@@ -186,8 +222,78 @@ class Scheduler:
         queues = [self.waiting[c] for c in classes]
         return heapq.merge(*queues, key=lambda s: (s.request.arrival_s, s.id))
 
+    @property
+    def kv_used_tokens(self) -> int:
+        return self.memory.used_tokens
+
+    @property
+    def peak_kv_used_tokens(self) -> int:
+        return self.memory.peak_used_tokens
+
     def fits(self, tokens: int) -> bool:
-        return self.kv_used_tokens + tokens <= self.kv_capacity_tokens
+        """Whether an admission charge of ``tokens`` fits."""
+        return self.memory.fits(tokens)
+
+    def evictable(self, batch: Batch | None = None) -> Iterator[Sequence]:
+        """Sequences holding KV that a recompute may preempt: those of ``batch`` (being formed,
+        not yet run), the decode-ready ones and chunked prefills between chunks; not those of
+        suspended batches."""
+        members = batch.sequences if batch is not None else ()
+        return itertools.chain(members, self.ready[LS], self.ready[BE], self.prefilling)
+
+    def held_tokens(self, what: Sequence | Batch) -> int:
+        """What evicting a sequence, or a suspended batch, would free."""
+        if isinstance(what, Sequence):
+            return self.memory.held_tokens(what)
+        held = sum(self.memory.held_tokens(q) for q in what.sequences)
+        return held + self._held.get(what.id, 0)
+
+    def evict(self, seq: Sequence) -> None:
+        """Preempt ``seq`` by recompute: free its KV and put it at the front of its waiting
+        queue; its generated tokens are kept, and its next prefill recomputes prompt +
+        generated tokens. The caller has taken it out of the batch or queue it was in."""
+        self.memory.free(seq)
+        seq.prefilled_tokens = seq.chunk_tokens = 0
+        seq.evicted = True
+        seq.recomputes += 1
+        self.recomputes += 1
+        self.waiting[seq.cls].appendleft(seq)
+
+    def evict_ready(self, seq: Sequence) -> None:
+        self.ready[seq.cls].remove(seq)
+        self.evict(seq)
+
+    def evict_suspended(self, batch: Batch) -> None:
+        """Drop a suspended batch: its activations and its sequences' KV are freed; the work of
+        its unfinished iteration is lost with them."""
+        self.suspended.remove(batch)
+        self.memory.release(self._held.pop(batch.id))
+        for seq in reversed(batch.sequences):
+            self.evict(seq)
+
+    def _grow(self, batch: Batch) -> bool:
+        """Charge what each sequence of a fresh decode (or mixed) batch writes; when one cannot
+        grow, preempt the policy's victims by recompute until it can (or it is the victim).
+        Returns whether any sequence is left to run."""
+        gone: set[int] = set()
+        for seq in list(batch.sequences):
+            if seq.id in gone:
+                continue
+            while not self.memory.can_grow(seq):
+                victim = self.policy.victim(self, batch)
+                if victim in batch.sequences:
+                    batch.sequences.remove(victim)
+                elif victim in self.prefilling:
+                    self.prefilling.remove(victim)
+                else:
+                    self.ready[victim.cls].remove(victim)
+                gone.add(victim.id)
+                self.evict(victim)
+                if victim is seq:
+                    break
+            else:
+                self.memory.grow(seq)
+        return bool(batch.sequences)
 
     def activation_tokens(self, batch: Batch) -> int:
         return math.ceil(batch.new_tokens * self.activation_tokens_per_token)
@@ -213,20 +319,27 @@ class Scheduler:
         for seq in candidates:
             if len(taken) >= max_seqs:
                 break
-            n = seq.request.prompt_tokens
+            n = seq.new_tokens
             if tokens + n > token_budget and (taken or not alone_if_oversized):
                 break
-            need = reserved + seq.reserved_tokens
+            charge = self.memory.admit_tokens(seq)
+            need = reserved + charge
             if need > max_reserved_tokens or not self.fits(need):
                 break
             taken.append(seq)
             tokens += n
-            reserved += seq.reserved_tokens
+            reserved += charge
         if not dry_run:
             for seq in taken:
                 self.waiting[seq.cls].remove(seq)
-                self._reserve(seq.reserved_tokens)
+                self.admit(seq)
         return taken
+
+    def admit(self, seq: Sequence) -> None:
+        """Charge a sequence taken out of its waiting queue (by ``take_prefill`` or a policy
+        that picks its own)."""
+        self.memory.admit(seq)
+        seq.admission = next(self._admissions)
 
     def take_ready(self, cls: str, max_seqs: int) -> list[Sequence]:
         queue = self.ready[cls]
@@ -238,13 +351,6 @@ class Scheduler:
             raise RuntimeError("no batch is running")
         batch, self.running = self.running, None
         return batch
-
-    def _reserve(self, tokens: int) -> None:
-        self.kv_used_tokens += tokens
-        self.peak_kv_used_tokens = max(self.peak_kv_used_tokens, self.kv_used_tokens)
-
-    def _release(self, tokens: int) -> None:
-        self.kv_used_tokens -= tokens
 
 
 def prefill_batch(seqs: list[Sequence]) -> Batch | None:

@@ -12,7 +12,9 @@ latency model:
   recomputes nothing;
 - every scheduler Sequence owns one ``KVSequence`` (its token ids and its KV cache) from
   arrival to finish; the runner appends the greedy token of each iteration, and a sequence
-  stops after exactly its request's output tokens (no EOS).
+  stops after exactly its request's output tokens (no EOS);
+- a sequence the scheduler preempted by recompute (``Sequence.evicted``) has its cache
+  emptied before its next iteration, which then feeds prompt + generated tokens again.
 
 On CUDA, stage boundaries are host times: kernels run asynchronously, and the host waits for
 the device only where the runner reads results back (each router's queue sizes, the tokens).
@@ -127,6 +129,10 @@ class RealEngine:
         requests, allowed = self.requests, self.allowed
         state = batch.plan
         if state is None:
+            for seq in batch.sequences:
+                if seq.evicted:  # its KV was freed (a suspended batch's partly): recompute
+                    kv = self.kv[seq.id]
+                    kv.truncate(len(kv.token_ids), 0)
             state = batch.plan = runner.begin([self.kv[s.id] for s in batch.sequences])
         stage_trace = trace is not None and trace.stages
         start = now = clock.now()

@@ -107,12 +107,20 @@ class ClusterConfig:
 
 
 @dataclass
+class MemoryConfig:
+    model: str = "reserve"  # reserve (TGI: prompt + output on admission) | paged (vLLM, SGLang)
+    block_size_tokens: int = 16  # paged: KV block size
+    watermark: float = 0.01  # paged: fraction of blocks admission keeps free (vLLM V0's 0.01)
+
+
+@dataclass
 class SimConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     policy: Any = MISSING  # PolicyConfig or a subclass schema from conf/policy
     slo: SloConfig = field(default_factory=SloConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     seed: int = 0
     boundary_mode: str = "lookup"  # lookup (one event per step) | step (every boundary)
     progress: bool = False
@@ -164,23 +172,29 @@ def validate(cfg: Any) -> None:
         p.prefill_attention,
         "must be per_prompt, batched or null (the profile's own)",
     )
-    need(
-        pol.max_batch_size is None or pol.max_batch_size >= 1,
-        "policy.max_batch_size",
-        pol.max_batch_size,
-        "must be >= 1, or null for no cap",
-    )
-    need(
-        pol.max_batch_prefill_tokens >= 1,
-        "policy.max_batch_prefill_tokens",
-        pol.max_batch_prefill_tokens,
-        "must be >= 1",
-    )
+    if "max_batch_size" in pol:  # vllm names its limits max_num_seqs, max_num_batched_tokens
+        need(
+            pol.max_batch_size is None or pol.max_batch_size >= 1,
+            "policy.max_batch_size",
+            pol.max_batch_size,
+            "must be >= 1, or null for no cap",
+        )
+        need(
+            pol.max_batch_prefill_tokens >= 1,
+            "policy.max_batch_prefill_tokens",
+            pol.max_batch_prefill_tokens,
+            "must be >= 1",
+        )
+    m = getattr(cfg, "memory", None)  # the real engine's config has no memory group
+    if m is not None:
+        need(m.model in ("reserve", "paged"), "memory.model", m.model, "must be reserve or paged")
+        need(m.block_size_tokens >= 1, "memory.block_size_tokens", m.block_size_tokens, ">= 1")
+        need(0 <= m.watermark < 1, "memory.watermark", m.watermark, "must be in [0, 1)")
     need(slo.ls_ttft_s > 0, "slo.ls_ttft_s", slo.ls_ttft_s, "must be > 0 seconds")
     for key in ("be_ttft_s", "ls_tpot_s", "be_tpot_s"):
         value = getattr(slo, key, None)
         need(value is None or value > 0, f"slo.{key}", value, "must be > 0 seconds or null")
-    c = getattr(cfg, "cluster", None)
+    c = getattr(cfg, "cluster", None)  # the real engine's config has no cluster group
     if c is not None:
         from sim.cluster import ROUTERS
 

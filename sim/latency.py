@@ -433,6 +433,13 @@ class LatencyModel:
             if self.prefill_batched:
                 return self.attn_prefill_batch(batch.size, batch.new_tokens)
             return sum(self.attn_prefill.scalar(s.new_tokens) for s in batch.sequences)
+        if batch.phase is Phase.MIXED:  # a chunk over a cached prefix: costed as its own tokens
+            pre = [s for s in batch.sequences if s.phase is Phase.PREFILL]
+            dec = [s for s in batch.sequences if s.phase is Phase.DECODE]
+            t = sum(self.attn_prefill.scalar(s.new_tokens) for s in pre)
+            if dec:
+                t += self.attn_decode(len(dec), max(s.context_tokens for s in dec))
+            return t
         # decode attention runs on the batch's caches right-padded to the longest context
         kv = max(s.context_tokens for s in batch.sequences)
         return self.attn_decode(batch.size, kv)

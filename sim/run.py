@@ -14,10 +14,11 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from policies.memory import build_memory
 from policies.scheduler import CapacityError, Policy, Scheduler
 from sim import profiles
 from sim.cluster import ROUTERS, Cluster, replica_stats
-from sim.config import UserError, validate
+from sim.config import MemoryConfig, UserError, validate
 from sim.engine import SimResult, Simulation
 from sim.latency import LatencyModel, RoutingModel
 from sim.metrics import outputs
@@ -44,11 +45,7 @@ def build_policy(cfg: Any) -> Policy:
         raise UserError(f"policy._target_={target}: not an importable class") from None
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise UserError(f"policy._target_={target}: not a policies.Policy subclass")
-    allowed = set()
-    for klass in cls.__mro__:
-        if "__init__" in klass.__dict__:
-            sig = inspect.signature(klass.__init__)
-            allowed |= {p for p in sig.parameters if p not in ("self", "kwargs")}
+    allowed = policy_options(cls)
     unknown = sorted(set(params) - allowed)
     if unknown:
         raise UserError(f"policy.{unknown[0]}: not a setting of policy {name}; allowed: "
@@ -59,13 +56,32 @@ def build_policy(cfg: Any) -> Policy:
         raise UserError(f"policy={name}: {e}") from None
 
 
+def policy_options(cls: type) -> set[str]:
+    """A policy class's constructor arguments, and its bases' while the chain passes
+    ``**kwargs`` on (vllm takes vLLM's own names and does not forward the base's)."""
+    options: set[str] = set()
+    for klass in cls.__mro__[:-1]:  # object's own arguments are no options
+        if "__init__" in klass.__dict__:
+            params = inspect.signature(klass.__init__).parameters
+            options |= {p for p in params if p not in ("self", "kwargs")}
+            if "kwargs" not in params:
+                break
+    return options
+
+
 def build_scheduler(cfg: Any, profile) -> Scheduler:
     mem = profile.memory
     capacity = cfg.profile.kv_capacity_tokens or mem.kv_capacity_tokens
+    m = cfg.memory if "memory" in cfg else MemoryConfig()
+    try:
+        memory = build_memory(m.model, capacity, m.block_size_tokens, m.watermark)
+    except ValueError as e:
+        raise UserError(f"memory.{e}") from None
     return Scheduler(
         build_policy(cfg.policy),
         kv_capacity_tokens=capacity,
         activation_tokens_per_token=mem.activation_bytes_per_token / mem.kv_bytes_per_token,
+        memory=memory,
     )
 
 

@@ -1,0 +1,148 @@
+"""vLLM V1's scheduler, with or without chunked prefill.
+
+Reproduces ``Scheduler.schedule`` of vLLM V1 (vllm/v1/core/sched/scheduler.py, as in the
+v0.9-v0.11 releases):
+
+- One engine step first schedules the running requests (one decode token each), then the
+  waiting ones, in queue order, while ``max_num_seqs`` running requests, the step's token budget
+  ``max_num_batched_tokens`` (minus the running decodes) and the KV cache allow; the first
+  waiting request that does not fit stops admission (no overtaking). A waiting request never
+  displaces a running one: once ``max_num_seqs`` requests run, an LS arrival waits for one to
+  finish (vLLM issue #40004).
+- ``scheduling_policy``: ``fcfs`` (one waiting queue in arrival order) or ``priority`` (a heap
+  on (priority, arrival): LS requests, priority 0, before BE, priority 1).
+- When a running request cannot get a KV block for its next token, a victim is preempted by
+  recompute (``Scheduler.evict``): under ``priority`` the running request with the lowest
+  priority and the latest arrival, under ``fcfs`` the last one admitted (``running.pop()``).
+  A step that preempted admits no waiting request. Preempted requests go back to the front of
+  the waiting queue (under ``priority``: of their class's queue, where vLLM re-inserts them in
+  its heap by arrival; the two agree when they arrived before the requests waiting there).
+
+- ``enable_chunked_prefill`` (vLLM's default is true; ours false, the form the real engine
+  runs): one step is one mixed iteration. The
+  running requests come first, in admission order, each taking one decode token, or the next
+  chunk of its prompt (as much as the budget leaves) when its prefill is unfinished; then
+  waiting requests, each taking a chunk of what is left. A prompt is thus split over several
+  iterations, and its first token comes with its last chunk. False: a step that admits requests
+  runs as a decode iteration of the running requests followed by a prefill iteration of the
+  admitted ones (a batch is then one phase), and a prompt longer than the token budget is
+  admitted alone.
+
+Not modelled: prefix caching, speculative decoding, ``long_prefill_token_threshold``, and the
+attention of a chunk over its cached prefix (the latency model costs a chunk's attention as a
+prefill of its own tokens). Growth preemptions are decided after a step is chosen (when its
+batch is charged), so "a step that preempted admits nothing" applies to the step after it.
+Memory is the configured model (``memory.model``; vLLM's own is ``paged``). The real engine
+runs the one-phase form only.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from policies.core import BE, LS, Batch, Granularity, Phase, Sequence
+from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch, priority_victim_key
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class VLLM(Policy):
+    name = "vllm"
+    granularity = Granularity.ITERATION
+
+    def __init__(
+        self,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        scheduling_policy: str = "fcfs",
+        enable_chunked_prefill: bool = False,
+    ) -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy={scheduling_policy}: must be one of "
+                f"{', '.join(SCHEDULING_POLICIES)}"
+            )
+        for key, value in (("max_num_seqs", max_num_seqs),
+                           ("max_num_batched_tokens", max_num_batched_tokens)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}={value}: must be an integer >= 1")
+        super().__init__(
+            max_batch_size=max_num_seqs, max_batch_prefill_tokens=max_num_batched_tokens
+        )
+        self.priority = scheduling_policy == "priority"
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.decoded = False  # this step's running requests have run; admission comes next
+        self.recomputes_seen = 0  # the recompute count when the last step was chosen
+
+    def select(self, s: Scheduler, now: float) -> Batch | None:
+        if self.enable_chunked_prefill:
+            return self._step(s)
+        running = len(s.ready[LS]) + len(s.ready[BE])
+        if running and not self.decoded:
+            return self._decode(s, running)
+        self.decoded = False
+        preempted = s.recomputes != self.recomputes_seen
+        room = self.max_batch_size - running
+        if room > 0 and not (preempted and running):  # none left running: admit again
+            budget = self.max_batch_prefill_tokens - running
+            seqs = s.take_prefill(self._waiting(s), room, budget)
+            if seqs:
+                return prefill_batch(seqs)
+        return self._decode(s, running) if running else None
+
+    def _step(self, s: Scheduler) -> Batch | None:
+        """One mixed iteration under the token budget: running requests, then waiting ones."""
+        preempted = s.recomputes != self.recomputes_seen
+        budget = self.max_batch_prefill_tokens
+        running = sorted([*s.ready[LS], *s.ready[BE], *s.prefilling], key=lambda q: q.admission)
+        seqs = []
+        for q in running:
+            if budget <= 0:
+                break
+            if q.phase is Phase.PREFILL:
+                q.chunk_tokens = min(q.prefill_left_tokens, budget)
+                s.prefilling.remove(q)
+            else:
+                s.ready[q.cls].remove(q)
+            seqs.append(q)
+            budget -= q.new_tokens
+        if not (preempted and running):
+            slots = self.max_batch_size - len(running)
+            for q in list(self._waiting(s)):
+                if budget <= 0 or slots <= 0:
+                    break
+                q.chunk_tokens = min(q.prefill_left_tokens, budget)
+                if not s.take_prefill([q], 1, q.chunk_tokens):
+                    q.chunk_tokens = 0
+                    break
+                seqs.append(q)
+                budget -= q.chunk_tokens
+                slots -= 1
+        self.recomputes_seen = s.recomputes
+        return Batch(seqs, Phase.MIXED) if seqs else None
+
+    def _decode(self, s: Scheduler, running: int) -> Batch | None:
+        self.decoded = True
+        self.recomputes_seen = s.recomputes
+        seqs = s.take_ready(LS, running) + s.take_ready(BE, running)
+        return decode_batch(sorted(seqs, key=lambda q: q.admission))
+
+    def _waiting(self, s: Scheduler):
+        if self.priority:
+            return _class_order(s)
+        # one queue by arrival; preempted requests were put back at its front
+        return heapq.merge(s.waiting[LS], s.waiting[BE], key=_fcfs_key)
+
+    def victim(self, s: Scheduler, batch: Batch) -> Sequence:
+        if self.priority:
+            return max(s.evictable(batch), key=priority_victim_key)
+        return max(s.evictable(batch), key=lambda q: q.admission)
+
+
+def _class_order(s: Scheduler):
+    yield from s.waiting[LS]
+    yield from s.waiting[BE]
+
+
+def _fcfs_key(q: Sequence) -> tuple:
+    return (not q.evicted, q.request.arrival_s, q.id)

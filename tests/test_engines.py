@@ -1,0 +1,253 @@
+"""Policies modelled on today's engines (vllm, sglang) and QLLM's BE eviction for LS work."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import linear_profile
+
+from policies import Phase, Request, Scheduler
+from policies.memory import PagedMemory
+from policies.qllm import QLLM
+from policies.sglang import SGLang
+from policies.vllm import VLLM
+from sim.latency import LatencyModel, RoutingModel
+
+
+def req(i, cls="BE", prompt=4, out=10, t=0.0):
+    return Request(i, cls, t, prompt, out)
+
+
+def step(s, now=0.0):
+    batch = s.next_batch(now)
+    if batch is not None:
+        s.complete_iteration(now)
+    return batch
+
+
+def ids(batch):
+    return [q.id for q in batch.sequences]
+
+
+def paged(capacity, block=4):
+    return PagedMemory(capacity, block_size_tokens=block, watermark=0.0)
+
+
+# ------------------------------------------------------------------------------------- vllm
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_vllm_40004_a_waiting_ls_request_waits_while_max_num_seqs_be_requests_run(policy):
+    """vLLM issue #40004: priority orders the waiting queue, but a waiting request never
+    displaces a running one; the LS request waits for a BE request to finish."""
+    s = Scheduler(VLLM(max_num_seqs=2, scheduling_policy=policy), kv_capacity_tokens=10_000)
+    be = [s.arrive(req(0, out=6), 0), s.arrive(req(1, out=8), 0)]
+    assert ids(step(s)) == [0, 1]
+    ls = s.arrive(req(2, "LS", t=0.5), 0.5)
+    while not be[0].done:
+        batch = step(s)
+        assert ids(batch) == [0, 1] and ls.scheduled_s is None
+    batch = step(s)
+    assert ids(batch) == [2] and batch.phase is Phase.PREFILL
+
+
+def test_vllm_priority_admits_ls_before_earlier_be():
+    s = Scheduler(VLLM(max_num_seqs=1, scheduling_policy="priority"), kv_capacity_tokens=10_000)
+    s.arrive(req(0), 0)
+    s.arrive(req(1, "LS", t=0.1), 0.1)
+    assert ids(step(s)) == [1]
+    fcfs = Scheduler(VLLM(max_num_seqs=1), kv_capacity_tokens=10_000)
+    fcfs.arrive(req(0), 0)
+    fcfs.arrive(req(1, "LS", t=0.1), 0.1)
+    assert ids(step(fcfs)) == [0]
+
+
+def _vllm_growth_shortage(policy):
+    """BE 0, BE 1, then LS 2 admitted together (1 block each of 5); the next decode needs 3
+    more blocks and gets 2: one sequence is preempted by recompute."""
+    s = Scheduler(VLLM(scheduling_policy=policy), kv_capacity_tokens=20, memory=paged(20))
+    seqs = [s.arrive(req(0), 0), s.arrive(req(1, t=0.1), 0.1), s.arrive(req(2, "LS", t=0.2), 0.2)]
+    assert step(s).phase is Phase.PREFILL
+    step(s)
+    return s, seqs
+
+
+def test_vllm_priority_preempts_the_lowest_priority_latest_arrival():
+    s, (be0, be1, ls2) = _vllm_growth_shortage("priority")
+    assert (be0.recomputes, be1.recomputes, ls2.recomputes) == (0, 1, 0)
+    assert list(s.waiting["BE"]) == [be1] and be1.generated == 1
+
+
+def test_vllm_fcfs_preempts_the_last_admitted():
+    s, (be0, be1, ls2) = _vllm_growth_shortage("fcfs")
+    assert (be0.recomputes, be1.recomputes, ls2.recomputes) == (0, 0, 1)
+    assert list(s.waiting["LS"]) == [ls2]
+
+
+def test_vllm_admits_nothing_in_a_step_that_preempted():
+    s = Scheduler(VLLM(scheduling_policy="priority"), kv_capacity_tokens=24, memory=paged(24))
+    s.arrive(req(0, out=12), 0)
+    s.arrive(req(1, out=12, t=0.1), 0)
+    while s.recomputes == 0:  # two sequences outgrow 6 blocks of 4: BE 1 is preempted
+        step(s)
+    ls = s.arrive(req(2, "LS", prompt=1, out=1, t=1), 1)  # one block is free: it fits
+    assert s.next_batch(1).phase is Phase.DECODE and ls.scheduled_s is None
+    s.complete_iteration(1)
+    assert ids(s.next_batch(1)) == [2]  # the next step admits it
+
+
+def test_vllm_options_are_checked_by_name():
+    with pytest.raises(ValueError, match="^scheduling_policy=lifo: must be one of fcfs, prio"):
+        VLLM(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="^max_num_batched_tokens=0: must be an integer >= 1"):
+        VLLM(max_num_batched_tokens=0)
+
+
+# ----------------------------------------------------------------------------------- sglang
+def test_sglang_ls_preempts_running_be_above_the_threshold():
+    s = Scheduler(SGLang(max_batch_size=2), kv_capacity_tokens=10_000)
+    be = [s.arrive(req(0, out=20), 0), s.arrive(req(1, out=20, t=0.1), 0)]
+    step(s)
+    s.arrive(req(2, "LS", t=0.5), 0.5)
+    batch = step(s)
+    assert ids(batch) == [2]  # the slot of the latest BE arrival was freed
+    assert [q.recomputes for q in be] == [0, 1] and list(s.waiting["BE"]) == [be[1]]
+
+
+def test_sglang_threshold_is_strict_and_can_turn_preemption_off():
+    for kwargs in ({"priority_scheduling_preemption_threshold": 100},
+                   {"enable_priority_preemption": False}):  # fmt: skip
+        s = Scheduler(SGLang(max_batch_size=2, **kwargs), kv_capacity_tokens=10_000)
+        s.arrive(req(0, out=20), 0)
+        s.arrive(req(1, out=20), 0)
+        step(s)
+        s.arrive(req(2, "LS", t=0.5), 0.5)
+        assert ids(step(s)) == [0, 1] and s.recomputes == 0  # LS (100) - BE (0) is not > 100
+
+
+def test_sglang_ls_preempts_be_for_kv_room_until_it_fits_or_not_at_all():
+    s = Scheduler(SGLang(), kv_capacity_tokens=40, memory=paged(40))
+    be = [s.arrive(req(i, prompt=8, out=4, t=0.1 * i), 0) for i in range(3)]  # 6 blocks
+    step(s)
+    s.arrive(req(3, "LS", prompt=20, out=4, t=1), 1)  # 5 blocks + 6 > 10: one BE must go
+    assert ids(step(s)) == [3]
+    assert [q.recomputes for q in be] == [0, 0, 1]
+    s2 = Scheduler(SGLang(), kv_capacity_tokens=40, memory=paged(40))
+    for i in range(3):
+        s2.arrive(req(i, "LS", prompt=8, out=4), 0)
+    step(s2)
+    s2.arrive(req(3, "LS", prompt=20, out=4, t=1), 1)  # no lower priority to preempt
+    assert step(s2).phase is Phase.DECODE and s2.recomputes == 0
+
+
+def test_sglang_retracts_fewest_generated_then_longest_prompt():
+    s = Scheduler(SGLang(), kv_capacity_tokens=24, memory=paged(24))
+    a = s.arrive(req(0, prompt=4, out=20), 0)
+    step(s)
+    step(s)
+    step(s)  # A: 3 tokens generated, 2 blocks
+    b = s.arrive(req(1, prompt=8, out=10, t=0.1), 0.1)
+    c = s.arrive(req(2, prompt=4, out=10, t=0.2), 0.2)
+    assert ids(step(s)) == [1, 2]  # prefill first: 5 blocks of 6 in use
+    step(s)  # A needs none, B its third block, C a second: 7 > 6, retract one
+    assert (a.recomputes, b.recomputes, c.recomputes) == (0, 1, 0)
+
+
+# ------------------------------------------------------------------ qllm evicts BE for LS
+def _be_holds_the_memory(evict):
+    s = Scheduler(QLLM(evict_be_for_ls=evict), kv_capacity_tokens=40, memory=paged(40))
+    be = s.arrive(req(0, prompt=24, out=10), 0)
+    step(s)
+    ls = s.arrive(req(1, "LS", prompt=20, out=2, t=1), 1)  # 24 + 20 > 40
+    return s, be, ls
+
+
+def test_qllm_evicts_be_kv_to_admit_ls_work():
+    s, be, ls = _be_holds_the_memory(evict=True)
+    batch = s.next_batch(1)
+    assert ids(batch) == [1] and be.recomputes == 1 and list(s.waiting["BE"]) == [be]
+
+
+def test_qllm_without_eviction_keeps_ls_waiting_for_memory():
+    s, be, ls = _be_holds_the_memory(evict=False)
+    batch = s.next_batch(1)
+    assert ids(batch) == [0] and be.recomputes == 0 and ls.scheduled_s is None
+
+
+@pytest.mark.parametrize("evict", [True, False])
+def test_qllm_preempts_for_ls_when_evicting_other_be_kv_makes_room(evict):
+    """A BE prefill runs while another BE job holds KV; an LS job that fits only without that
+    KV preempts the prefill (with eviction), and the decode-ready BE job's KV is evicted, not
+    the suspended batch's."""
+    s = Scheduler(QLLM(max_batch_size=2, evict_be_for_ls=evict), 48, memory=paged(48))
+    be0 = s.arrive(req(0, prompt=16, out=10), 0)
+    step(s)
+    s.arrive(req(1, prompt=16, out=10), 0)
+    running = s.next_batch(0)
+    assert ids(running) == [1] and s.kv_used_tokens == 32
+    s.arrive(req(2, "LS", prompt=20, out=2, t=1), 1)  # 32 + 20 > 48
+    assert s.should_preempt() is evict
+    if evict:
+        s.preempt(1)
+        assert ids(s.next_batch(1)) == [2]
+        assert be0.recomputes == 1 and s.suspended == [running]
+
+
+# ------------------------------------------------------------- vllm with chunked prefill
+def chunked(**kwargs):
+    return VLLM(enable_chunked_prefill=True, **kwargs)
+
+
+def test_chunked_prefill_splits_a_prompt_and_mixes_it_with_decodes():
+    s = Scheduler(chunked(max_num_batched_tokens=10), kv_capacity_tokens=10_000)
+    be = s.arrive(req(0, prompt=4, out=8), 0)
+    step(s)
+    ls = s.arrive(req(1, "LS", prompt=25, out=3), 0)
+    chunks = []
+    while ls.first_token_s is None:
+        batch = s.next_batch(1)
+        assert batch.phase is Phase.MIXED and be in batch.sequences  # decodes never wait
+        chunks.append((ls.new_tokens, ls.context_tokens))
+        s.complete_iteration(1)
+    assert chunks == [(9, 0), (9, 9), (7, 18)]  # the budget less one decode token
+    assert ls.generated == 1 and be.generated == 4
+    batch = s.next_batch(2)
+    assert [q.new_tokens for q in batch.sequences] == [1, 1] and ls.context_tokens == 25
+
+
+def test_chunked_prefill_runs_running_requests_first_then_waiting_ones():
+    s = Scheduler(chunked(max_num_batched_tokens=8), kv_capacity_tokens=10_000)
+    a = s.arrive(req(0, prompt=12), 0)
+    batch = s.next_batch(0)
+    assert [q.new_tokens for q in batch.sequences] == [8]
+    s.complete_iteration(0)
+    b = s.arrive(req(1, prompt=5), 0)
+    batch = s.next_batch(0)  # a's last 4 prompt tokens, then 4 of b's 5
+    assert [(q.id, q.new_tokens) for q in batch.sequences] == [(0, 4), (1, 4)]
+    s.complete_iteration(0)
+    assert a.generated == 1 and b.generated == 0 and list(s.prefilling) == [b]
+
+
+def test_chunks_allocate_blocks_as_they_land():
+    memory = paged(64, block=4)
+    s = Scheduler(chunked(max_num_batched_tokens=6), kv_capacity_tokens=64, memory=memory)
+    s.arrive(req(0, prompt=14, out=2), 0)
+    step(s)
+    assert memory.blocks == {0: 2}  # 6 tokens
+    step(s)
+    assert memory.blocks == {0: 3}  # 12 tokens
+    step(s)
+    assert memory.blocks == {0: 4}  # 14 tokens, and its first token
+
+
+def test_a_mixed_iteration_is_costed_by_its_prefill_chunks_and_decodes():
+    latency = LatencyModel(linear_profile(num_layers=2, num_experts=4, attn_ms=1.0),
+                           RoutingModel(2, 4, 2))  # fmt: skip
+    s = Scheduler(chunked(max_num_batched_tokens=10), kv_capacity_tokens=10_000)
+    s.arrive(req(0, prompt=4, out=8), 0)
+    s.arrive(req(1, prompt=3, out=8), 0)
+    step(s)
+    s.arrive(req(2, "LS", prompt=25), 0)
+    batch = s.next_batch(0)
+    plan = latency.plan(batch)
+    assert batch.new_tokens == 10  # two decode tokens and an 8-token chunk
+    assert plan.expert_tokens.sum() == 10 * 2 * 2  # tokens x top_k x layers
+    # attention: one prefill chunk (1 ms) plus one decode attention of two sequences (1 ms)
+    assert plan.attention_s == pytest.approx(2e-3)

@@ -1,0 +1,83 @@
+"""The real engine executes recompute preemption: after its KV is freed, a sequence re-prefills
+prompt + generated tokens and still produces exactly ``model.generate``'s greedy tokens."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from policies.core import BE, LS, Request
+from policies.memory import PagedMemory
+from policies.qllm import QLLM
+from policies.scheduler import Scheduler
+from policies.sglang import SGLang
+from policies.vllm import VLLM
+from profiler.models import build_model
+from profiler.ops import ModelRunner
+from realrun.clock import VirtualClock
+from realrun.engine import RealEngine
+from realrun.prompts import build_prompts
+
+
+@pytest.fixture(scope="module")
+def f64():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
+                           dtype="float64", seed=3)  # fmt: skip
+    be = [Request(i, BE, 0.01 * i, 3 + (7 * i) % 37, 6 + i % 7) for i in range(10)]
+    ls = [Request(10 + j, LS, 0.1 + 0.07 * j, 2 + (5 * j) % 23, 1 + j % 3) for j in range(8)]
+    requests, prompts = build_prompts(be + ls, 512, max_prompt_tokens=48, seed=0)
+    reference = {
+        r.id: model.generate(torch.tensor([prompts[r.id]]), do_sample=False,
+                             max_new_tokens=r.output_tokens)[0, r.prompt_tokens :].tolist()
+        for r in requests
+    }  # fmt: skip
+    yield ModelRunner(model), requests, prompts, reference
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: VLLM(max_num_seqs=8, scheduling_policy="priority"),
+        lambda: SGLang(max_batch_size=6),
+        lambda: QLLM(max_batch_size=6, evict_be_for_ls=True),
+    ],
+    ids=["vllm", "sglang", "qllm-evict"],
+)
+def test_recomputed_sequences_generate_exactly_the_greedy_tokens(f64, make):
+    runner, requests, prompts, reference = f64
+    memory = PagedMemory(120, block_size_tokens=4, watermark=0.0)
+    sched = Scheduler(make(), kv_capacity_tokens=120, memory=memory)
+    refed = []  # (tokens fed, prompt + generated) of every recomputing sequence
+    begin = runner.begin
+
+    def recording_begin(kvs):
+        refed.extend((kv.num_new, kv.key.new_tokens) for kv in kvs if kv.key.evicted)
+        return begin(kvs)
+
+    runner.begin = recording_begin
+    try:
+        result = RealEngine(requests, prompts, sched, runner, VirtualClock(1e-3)).run()
+    finally:
+        del runner.begin
+    assert len(refed) >= 2  # the comparison covers recomputed sequences
+    assert all(fed == expected > 1 for fed, expected in refed)  # the whole context, again
+    assert result.tokens == reference
+    assert sched.kv_used_tokens == 0 and memory.blocks == {}
+
+
+def test_the_real_engine_refuses_chunked_prefill_in_one_line(tmp_path):
+    done = subprocess.run(
+        [Path(sys.executable).parent / "qllm-realrun", f"hydra.run.dir={tmp_path}",
+         "policy=vllm", "policy.enable_chunked_prefill=true"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    err = done.stderr.strip()
+    assert done.returncode == 2 and "\n" not in err, err
+    assert "policy.enable_chunked_prefill=true: must be false for the real engine" in err
