@@ -33,6 +33,7 @@ REQUEST_COLUMNS = [
     "tpot_s",
     "itl_max_s",
     "preemptions",
+    "recomputes",
 ]
 STATS = ("mean", "std", "p50", "p90", "p95", "p99", "max")
 PERCENTILES = {"p50": 50, "p90": 90, "p95": 95, "p99": 99}
@@ -50,11 +51,12 @@ def requests_frame(sequences: list[Seq]) -> pd.DataFrame:
         itl_max = float(max(s.token_gaps_s)) if two else math.nan
         rows.append(
             (r.id, r.cls, r.source, r.arrival_s, r.prompt_tokens, r.output_tokens, first,
-             finish, first - r.arrival_s, finish - r.arrival_s, tpot, itl_max, s.preemptions)
+             finish, first - r.arrival_s, finish - r.arrival_s, tpot, itl_max, s.preemptions,
+             s.recomputes)
         )  # fmt: skip
     df = pd.DataFrame(rows, columns=REQUEST_COLUMNS)
     return df.astype({"id": "int64", "prompt_tokens": "int64", "output_tokens": "int64",
-                      "preemptions": "int64"})  # fmt: skip
+                      "preemptions": "int64", "recomputes": "int64"})  # fmt: skip
 
 
 def stats(values: Any) -> dict:
@@ -129,6 +131,7 @@ def summarize(
             "slo_attainment": _fraction(met_ttft[mine & has_ttft_slo]),
             "goodput": _fraction(good[mine & has_slo]),
             "preemptions": int(part["preemptions"].sum()),
+            "recomputes": int(part["recomputes"].sum()),
         }
     span = max(makespan_s, 1e-12)
     finished = df[done]
