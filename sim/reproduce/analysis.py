@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from sim.reproduce.experiments import BASELINE, EXPERIMENTS, OURS, READINGS, SLO_S
+from sim.reproduce.experiments import BASELINE, ENGINES, EXPERIMENTS, OURS, READINGS, SLO_S
 from sim.reproduce.grid import decode_step_s
 from sim.reproduce.stats import Paired, _ci, arms_table, compare
 
@@ -56,6 +56,39 @@ def where(table: pd.DataFrame) -> dict:
     return out
 
 
+def engines(table: pd.DataFrame) -> list[dict]:
+    """Per (profile, KV capacity, load): each arm's LS TTFT, LS and BE turnaround, LS goodput,
+    and preemptions and recomputes per run (BE); and the best engine's LS TTFT over the best
+    qllm arm's."""
+    part = _of(table, "engines")
+    out = []
+    kv = "kv_capacity_tokens"
+    for (profile, cap, load), pt in part.groupby(["profile", kv, "base_rate"], dropna=False):
+        row: dict = {"profile": profile, "kv_capacity": "profile's" if pd.isna(cap) or
+                     str(cap) in ("null", "None") else str(cap), "load": float(load),
+                     "rate": float(pt["rate"].iloc[0]), "arms": {}}  # fmt: skip
+        for arm in _order("engines"):
+            a = pt[pt["policy"] == arm]
+            if not len(a):
+                continue
+            ls, be = a[a["cls"] == "LS"], a[a["cls"] == "BE"]
+            row["arms"][arm] = {
+                "ls_ttft_s": float(ls["ttft_mean_s"].mean()),
+                "ls_turnaround_s": float(ls["turnaround_mean_s"].mean()),
+                "be_turnaround_s": float(be["turnaround_mean_s"].mean()),
+                "ls_goodput": float(ls["goodput"].mean()),
+                "be_preemptions": float(be["preemptions"].mean()),
+                "recomputes": float(a[a["cls"] == "all"]["recomputes"].mean()),
+            }
+        arms = row["arms"]
+        best_engine = min((v["ls_ttft_s"], k) for k, v in arms.items() if k in ENGINES)
+        best_qllm = min((v["ls_ttft_s"], k) for k, v in arms.items() if k.startswith("qllm"))
+        row["best_engine"], row["best_qllm"] = best_engine[1], best_qllm[1]
+        row["engine_over_qllm"] = best_engine[0] / best_qllm[0]
+        out.append(row)
+    return out
+
+
 def starvation(table: pd.DataFrame) -> dict:
     part = _of(table, "starvation")
     out = {}
@@ -97,6 +130,7 @@ def comparison(table: pd.DataFrame) -> tuple[dict, dict]:
         {"profile": k[0], "ls_fraction": k[1], "load": k[2], **v} for k, v in grid.items()
     ]
     result["starvation"] = starvation(table) if "starvation" in exps else {}
+    result["engines"] = engines(table) if "engines" in exps else []
     reps = paper.groupby(["policy", "rate"])["replicate"].nunique()
     result["setup"] = {
         "rates": sorted(float(r) for r in paper["rate"].unique()),
@@ -111,7 +145,12 @@ def comparison(table: pd.DataFrame) -> tuple[dict, dict]:
         "experiments": sorted(exps),
         "qllm_drain_fraction": _drain(paper),
     }
-    for name, key in (("where", "where"), ("uncapped", "sensitivity"), ("jobs1000", "sensitivity")):
+    for name, key in (
+        ("where", "where"),
+        ("engines", "engines"),
+        ("uncapped", "sensitivity"),
+        ("jobs1000", "sensitivity"),
+    ):
         part = _of(table, name)
         if len(part):
             result["setup"][f"{key}_replicates"] = int(part["replicate"].nunique())

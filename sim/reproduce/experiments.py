@@ -81,6 +81,38 @@ QLLM_LIKE = Arm("qllm-cap32-nofill", "qllm",
                 ("policy.max_in_flight=32", "policy.fill_be_prefill=false"),
                 "qllm capped at 32 in flight, no BE fill")  # fmt: skip
 
+# Today's engines, on paged KV memory with recompute preemption; batch limit 32 on every side.
+VLLM_FCFS = Arm(
+    "vllm-fcfs",
+    "vllm",
+    ("policy.scheduling_policy=fcfs", "policy.max_num_seqs=32"),
+    "vLLM V1, FCFS",
+)
+VLLM_PRIO = Arm(
+    "vllm-priority",
+    "vllm",
+    ("policy.scheduling_policy=priority", "policy.max_num_seqs=32"),
+    "vLLM V1, --scheduling-policy priority",
+)
+VLLM_CHUNK = Arm(
+    "vllm-priority-chunked",
+    "vllm",
+    (
+        "policy.scheduling_policy=priority",
+        "policy.max_num_seqs=32",
+        "policy.enable_chunked_prefill=true",
+    ),
+    "vLLM V1, priority, chunked prefill",
+)
+SGLANG = Arm("sglang", "sglang", (), "SGLang, priority scheduling with priority preemption")
+QLLM_EVICT = Arm(
+    "qllm-evict",
+    "qllm",
+    ("policy.evict_be_for_ls=true",),
+    "qllm, evicting BE KV (recompute) to admit LS work",
+)
+ENGINES = ("vllm-fcfs", "vllm-priority", "vllm-priority-chunked", "sglang")
+
 BASELINE, OURS = TGI.label, QLLM.label
 GRANULARITIES = ("iteration", "priority", "alg1", "layer", "qllm")
 STARVATION_WAITS_S = (None, 120.0, 60.0, 30.0, 10.0)
@@ -91,7 +123,7 @@ class Experiment:
     name: str
     what: str
     arms: tuple[Arm, ...]
-    changes: dict = field(default_factory=dict)  # setup keys changed from PAPER_SETUP
+    changes: dict = field(default_factory=dict)  # setup keys changed from PAPER_SETUP (None: drop)
     seeds: int = SIDE_SEEDS
     rates: tuple[float, ...] = RATES
     axes: dict = field(default_factory=dict)  # extra grid axes: key -> values
@@ -115,6 +147,12 @@ EXPERIMENTS = (
                axes={"workload.ls_fraction": (0.05, 0.1, 0.2, 0.4),
                      "profile": ("a100-mixtral-nf4-hf", "a100-mixtral-nf4-hf-expertcost",
                                  FAST_PROFILE, "h200-mixtral-bf16")},
+               scale_rates=True),
+    Experiment("engines", "today's engines on paged KV memory: vLLM V1, SGLang, qllm",
+               (VLLM_FCFS, VLLM_PRIO, VLLM_CHUNK, SGLANG, QLLM, QLLM_EVICT),
+               {"memory.model": "paged", "policy.max_batch_size": None}, rates=(1.0, 3.0, 5.0),
+               axes={"profile": ("a100-mixtral-nf4-hf", FAST_PROFILE, "h100x2-mixtral-bf16"),
+                     "profile.kv_capacity_tokens": ("null", "4000")},
                scale_rates=True),
     Experiment("starvation", "BE starvation guard: qllm with policy.be_max_wait_s",
                tuple(Arm("qllm" if w is None else f"qllm-wait{w:g}", "qllm",

@@ -96,7 +96,7 @@ def run_grid(experiments: list[Experiment], seeds: int | None = None, rates=None
                 key = tuple(axis.items())
                 if key not in bases:
                     setup = {**PAPER_SETUP, **exp.changes, **{k: str(v) for k, v in axis.items()}}
-                    common = [f"{k}={v}" for k, v in setup.items()] + extra
+                    common = [f"{k}={v}" for k, v in setup.items() if v is not None] + extra
                     bases[key] = [(arm.label, compose("config", overrides=common + arm.args()))
                                   for arm in exp.arms]  # fmt: skip
                 cfgs = []

@@ -189,6 +189,24 @@ def _under(rates, capacity: float) -> str:
     return "rates " + ", ".join(f"{r:g}" for r in below) + " req/s"
 
 
+def engines_finding(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    wins = [r for r in rows if r["engine_over_qllm"] > 1.05]
+    losses = [r for r in rows if r["engine_over_qllm"] < 0.95]
+
+    def where(rs):
+        return ", ".join(f"{r['profile']} KV {r['kv_capacity']} load {r['load']:g} "
+                         f"({x(r['engine_over_qllm'])})" for r in rs) or "none"  # fmt: skip
+
+    return (
+        f"Sub-iteration preemption (the better of qllm and qllm-evict) gives a lower mean LS "
+        f"TTFT than the best of today's engines by more than 5% at {len(wins)} of {len(rows)} "
+        f"settings: {where(wins)}. The best engine is lower by more than 5% at {len(losses)}: "
+        f"{where(losses)}."
+    )
+
+
 def write_readme(c: dict, out: Path) -> Path:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATE.parent),
@@ -204,6 +222,8 @@ def write_readme(c: dict, out: Path) -> Path:
         "c": c, "s": s, "readings": c["readings"], "gran": c["beyond_the_paper"]["granularity"],
         "side": side_rows(c, differences(c)), "beyond": beyond_lines(c),
         "where": c["where"], "where_finding": where_finding(c["where"]),
+        "engines": c["engines"], "engines_finding": engines_finding(c["engines"]),
+        "engine_arms": list(dict.fromkeys(a for e in c["engines"] for a in e["arms"])),
         "where_reps": s.get("where_replicates", "n/a"), "starvation": c["starvation"],
         "sens": [("paper setup (headline)", c), *sens_exps],
         "sens_rates": s.get("sensitivity_rates", "n/a"),
