@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from policies.core import BE, LS, Batch, Request, Sequence
 from realrun.config import ValidateConfig, validate_engine, validate_shared
-from sim.cli import CONF_DIR, App, fail, run
+from sim.app import CONF_DIR  # registers the simulator's schema (base_config) that it composes
+from sim.cli import App, fail, run
 from sim.config import UserError
 
 PROG = "qllm-validate"

