@@ -22,14 +22,16 @@ lm_head), so the flat list above needs no extra index.
 Every sequence owns its KV cache (a ``DynamicCache`` of ``GrowingLayer``s): sequences join and
 leave batches freely.
 Prefill attention runs sequence by sequence (pad-free, the profile's ``attn_prefill`` is per
-sequence); decode attention runs once for the whole batch, on the batch's caches stacked (and
-right-padded when their lengths differ) by ``_BatchKV``. Norms, router, experts and lm_head
+sequence); decode attention runs once for the whole batch, on one right-padded buffer per
+layer that holds the batch's caches as rows (``_PaddedKV``, kept while the batch decodes on).
+Norms, router, experts and lm_head
 always run once on all the batch's tokens. The model's own modules do the work (norms,
 attention, gate, expert weights), so the runner matches ``model.generate`` token for token.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -51,17 +53,37 @@ class GrowingLayer(DynamicLayer):
 
     ``DynamicLayer`` copies a sequence's whole cache into a fresh tensor at every update: in a
     decode batch, one allocation and full copy per sequence and layer, which made batched decode
-    up to 2x slower than ``generate`` (whose one batched cache is copied once). Here ``keys`` and
-    ``values`` are views of a buffer that grows by a quarter (64 tokens at least) when full, or
-    that is sized once from a capacity hint (prompt + output tokens, when the caller knows).
+    up to 2x slower than ``generate`` (whose one batched cache is copied once). Here the storage
+    is a buffer that grows by a quarter (64 tokens at least) when full, or that is sized once
+    from a capacity hint (prompt + output tokens, when the caller knows); ``keys`` and
+    ``values`` are its first ``length`` tokens. In a decode batch the storage is a row of the
+    batch's padded buffer (``bound`` to that ``_PaddedKV``), written by the batch for all its
+    sequences at once.
     """
 
     GROW_MIN = 64
 
     def __init__(self, capacity: int = 0) -> None:
-        super().__init__()
+        super().__init__()  # assigns keys and values: empty storage, length 0, unbound
         self.capacity = capacity
-        self.length = 0
+
+    # Assigning keys (as DynamicLayer's own methods do) replaces the storage by that tensor.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._keys[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._keys, self.bound = tensor, None
+        self.length = 0 if tensor is None else tensor.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._values is None else self._values[:, :, : self.length]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._values = tensor
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         end = self.length + key_states.shape[-2]
@@ -69,22 +91,22 @@ class GrowingLayer(DynamicLayer):
             self._grow(key_states, value_states, end)
         self._keys[:, :, self.length : end] = key_states
         self._values[:, :, self.length : end] = value_states
-        self._set_length(end)
+        self.length = end
         return self.keys, self.values
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> None:
         size = max(end + max(self.GROW_MIN, end // 4), self.capacity)
         keys = key_states.new_empty(*key_states.shape[:2], size, key_states.shape[-1])
         values = value_states.new_empty(*value_states.shape[:2], size, value_states.shape[-1])
-        if self.is_initialized:
-            keys[:, :, : self.length] = self.keys
-            values[:, :, : self.length] = self.values
-        self._keys, self._values = keys, values
+        self._store(keys, values)
         self.device, self.is_initialized = key_states.device, True
 
-    def _set_length(self, length: int) -> None:
-        self.length = length
-        self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, owner: _PaddedKV | None = None):
+        """Move the cached tokens into new storage (a row of ``owner``'s buffer, or its own)."""
+        if self.is_initialized and self.length:
+            keys[:, :, : self.length] = self.keys
+            values[:, :, : self.length] = self.values
+        self._keys, self._values, self.bound = keys, values, owner
 
     def get_seq_length(self) -> int:
         return self.length
@@ -92,12 +114,11 @@ class GrowingLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes the negative number of tokens to remove")
-        if self.is_initialized:
-            self._set_length(max(0, self.length + tokens_to_remove))
+        self.length = max(0, self.length + tokens_to_remove)
 
     def reset(self) -> None:
-        super().reset()
-        self.length = 0
+        self._keys = self._values = self.bound = None
+        self.length, self.is_initialized = 0, False
 
 
 class KVSequence:
@@ -160,13 +181,15 @@ class Routing:
         cls, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, num_experts: int
     ) -> Routing:
         k = top_idx.shape[-1]
-        flat = top_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts)
-        token_idx = order // k
-        # The one host sync of the MoE block: queue sizes decide the experts' work.
-        bounds = [0, *counts.cumsum(0).tolist()]
-        return cls(token_idx, x[token_idx], top_w.reshape(-1)[order, None], bounds)
+        experts, order = torch.sort(top_idx.reshape(-1), stable=True)
+        token_idx = torch.div(order, k, rounding_mode="floor")
+        # Expert e's queue starts where the sorted expert ids reach e. Reading these bounds is
+        # the one host sync of the MoE block (queue sizes decide the experts' work); on CUDA,
+        # bincount would add its own syncs (it reads the ids' min and max back).
+        ids = torch.arange(num_experts + 1, device=experts.device)
+        bounds = torch.searchsorted(experts, ids).tolist()
+        weights = top_w.reshape(-1, 1).index_select(0, order)
+        return cls(token_idx, x.index_select(0, token_idx), weights, bounds)
 
 
 class StageRef(NamedTuple):
@@ -191,6 +214,7 @@ class IterationState:
     pending_layer: int = -1  # layer whose MoE output is not yet in ``hidden``
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     masks: list | None = None  # per sequence (prefill) or one batch mask (decode)
+    batch_kv: _BatchKV | None = None  # decode only: the batch's caches for attention
     next_tokens: list[int] | None = None  # set by lm_head
 
     @property
@@ -219,35 +243,66 @@ class IterationState:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class _BatchKV:
-    """Presents the batch's per-sequence caches as one cache to a decode attention call.
+class _PaddedKV:
+    """A decode batch's KV caches, right-padded into one ``[B, H, capacity, D]`` buffer per
+    layer (zeros where no token was ever written: the padding must be finite to be masked).
 
-    The attention module calls ``update`` with the batch's new keys and values; each row goes
-    to its own sequence's cache, and the batch gets back all sequences' keys and values stacked
-    (right-padded to the longest, the padding masked out). This is the paper's Unified Dynamic
-    Cache: no sequence is ever re-padded in storage.
+    Binding copies each sequence's cache into its row once, and that row becomes the
+    sequence's storage (its ``GrowingLayer``s are ``bound`` here). A decode step then writes the
+    whole batch's new keys and values with one ``index_copy_`` per layer and gives attention a
+    view of the buffer, where updating B caches and stacking them again took 4 x B small copies
+    per layer. While the same sequences decode together, step after step, the buffer is reused;
+    a new batch, or one that outgrew the buffer, binds anew (the sequences keep their tokens).
     """
 
-    def __init__(self, sequences: list[KVSequence], lengths: list[int]) -> None:
+    def __init__(self, sequences: list[KVSequence], capacity: int) -> None:
         self.sequences = sequences
+        self.capacity = capacity
+        self.layers = list(zip(*(s.cache.layers for s in sequences), strict=True))  # [l][i]
+        self.keys, self.values = [], []
+        for layers in self.layers:
+            k, v = layers[0].keys, layers[0].values  # [1, H, n, D]
+            keys = k.new_zeros(len(sequences), k.shape[1], capacity, k.shape[-1])
+            values = v.new_zeros(len(sequences), v.shape[1], capacity, v.shape[-1])
+            for i, layer in enumerate(layers):
+                layer._store(keys[i : i + 1], values[i : i + 1], self)
+            self.keys.append(keys)
+            self.values.append(values)
+        b, h = keys.shape[:2]
+        # Row of token 0 of (sequence i, head j) in a buffer viewed as [B * H * capacity, D].
+        self.first_rows = (torch.arange(b * h, device=keys.device) * capacity).view(b, h)
+
+    def holds(self, sequences: list[KVSequence], num_tokens: int) -> bool:
+        """Whether these sequences, in this order, are bound here with room for num_tokens."""
+        return (
+            num_tokens <= self.capacity
+            and self.sequences == sequences
+            and all(layer.bound is self for layers in self.layers for layer in layers)
+        )
+
+
+class _BatchKV:
+    """Presents a decode iteration's ``_PaddedKV`` as one cache to the attention calls: each
+    ``update`` writes the batch's new token (sequence i's at position ``lengths[i] - 1``) and
+    returns every sequence's keys and values up to the longest (the padding masked out). This
+    is the paper's Unified Dynamic Cache: no sequence is ever re-padded in storage.
+    """
+
+    def __init__(self, padded: _PaddedKV, lengths: list[int]) -> None:
+        self.padded = padded
         self.lengths = lengths
         self.max_len = max(lengths)
+        last = torch.tensor(lengths, device=padded.first_rows.device) - 1
+        self.rows = (padded.first_rows + last[:, None]).view(-1)
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        per_seq = [
-            s.cache.layers[layer_idx].update(keys[i : i + 1], values[i : i + 1])
-            for i, s in enumerate(self.sequences)
-        ]
-        return self._stack([k for k, _ in per_seq]), self._stack([v for _, v in per_seq])
-
-    def _stack(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        if all(p.shape[-2] == self.max_len for p in parts):
-            return torch.cat(parts, dim=0)
-        b, (_, h, _, d) = len(parts), parts[0].shape
-        out = parts[0].new_zeros(b, h, self.max_len, d)
-        for i, p in enumerate(parts):
-            out[i, :, : p.shape[-2]] = p[0]
-        return out
+        p = self.padded
+        k, v = p.keys[layer_idx], p.values[layer_idx]
+        k.view(-1, k.shape[-1]).index_copy_(0, self.rows, keys.reshape(-1, keys.shape[-1]))
+        v.view(-1, v.shape[-1]).index_copy_(0, self.rows, values.reshape(-1, values.shape[-1]))
+        for layer, n in zip(p.layers[layer_idx], self.lengths, strict=True):
+            layer.length = n
+        return k[:, :, : self.max_len], v[:, :, : self.max_len]
 
 
 class ModelRunner:
@@ -297,6 +352,9 @@ class ModelRunner:
         }
         self.moe_layers = sorted(self._experts)
         self._refs = [self.locate(i) for i in range(self.num_stages)]
+        # The last decode batch's padded KV, reused while the same batch decodes on. Weak: the
+        # bound sequences keep it alive, and it goes with them.
+        self._padded: weakref.ref[_PaddedKV] | None = None
 
     # ------------------------------------------------------------------------- layout
     @property
@@ -394,10 +452,22 @@ class ModelRunner:
         cos, sin = self.rotary(state.hidden, pos)
         if state.is_decode:  # [1, B, d] -> [B, 1, d]: one query per sequence
             state.rope = (cos.transpose(0, 1), sin.transpose(0, 1))
-            state.masks = [self._decode_mask([s.num_cached + 1 for s in seqs])]
+            lengths = [s.num_cached + 1 for s in seqs]
+            state.masks = [self._decode_mask(lengths)]
+            state.batch_kv = _BatchKV(self._padded_kv(state.sequences, max(lengths)), lengths)
         else:
             state.rope = (cos, sin)
             state.masks = [self._prefill_mask(state, i) for i in range(len(seqs))]
+
+    def _padded_kv(self, seqs: list[KVSequence], num_tokens: int) -> _PaddedKV:
+        """The batch's padded KV with room for ``num_tokens``: the last one, or a new one."""
+        padded = None if self._padded is None else self._padded()
+        if padded is None or not padded.holds(seqs, num_tokens):
+            hint = max(s.cache.layers[0].capacity for s in seqs)
+            capacity = max(num_tokens + max(GrowingLayer.GROW_MIN, num_tokens // 4), hint)
+            padded = _PaddedKV(seqs, capacity)
+            self._padded = weakref.ref(padded)
+        return padded
 
     def _prefill_mask(self, state: IterationState, i: int):
         s, n = state.sequences[i], state.offsets[i + 1] - state.offsets[i]
@@ -432,12 +502,11 @@ class ModelRunner:
         x = block.input_layernorm(state.hidden)
         cos, sin = state.rope
         if state.is_decode:
-            lengths = [s.num_cached + 1 for s in state.sequences]
             out, _ = block.self_attn(
                 hidden_states=x[:, None],
                 position_embeddings=(cos, sin),
                 attention_mask=state.masks[0],
-                cache=_BatchKV(state.sequences, lengths),
+                cache=state.batch_kv,
             )
             out = out[:, 0]
         else:
@@ -506,7 +575,7 @@ class ModelRunner:
             s.num_cached = len(s.token_ids)
             s.token_ids.append(t)
         state.next_tokens = tokens
-        state.hidden = None
+        state.hidden = state.batch_kv = None
 
     # ------------------------------------------------------------------------- convenience
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
