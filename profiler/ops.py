@@ -288,12 +288,11 @@ class _BatchKV:
     is the paper's Unified Dynamic Cache: no sequence is ever re-padded in storage.
     """
 
-    def __init__(self, padded: _PaddedKV, lengths: list[int]) -> None:
+    def __init__(self, padded: _PaddedKV, lengths: list[int], positions: torch.Tensor) -> None:
         self.padded = padded
         self.lengths = lengths
         self.max_len = max(lengths)
-        last = torch.tensor(lengths, device=padded.first_rows.device) - 1
-        self.rows = (padded.first_rows + last[:, None]).view(-1)
+        self.rows = (padded.first_rows + positions[:, None]).view(-1)  # positions: lengths - 1
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
         p = self.padded
@@ -453,8 +452,9 @@ class ModelRunner:
         if state.is_decode:  # [1, B, d] -> [B, 1, d]: one query per sequence
             state.rope = (cos.transpose(0, 1), sin.transpose(0, 1))
             lengths = [s.num_cached + 1 for s in seqs]
-            state.masks = [self._decode_mask(lengths)]
-            state.batch_kv = _BatchKV(self._padded_kv(state.sequences, max(lengths)), lengths)
+            state.masks = [self._decode_mask(lengths, pos[0])]
+            padded = self._padded_kv(state.sequences, max(lengths))
+            state.batch_kv = _BatchKV(padded, lengths, pos[0])
         else:
             state.rope = (cos, sin)
             state.masks = [self._prefill_mask(state, i) for i in range(len(seqs))]
@@ -481,13 +481,14 @@ class ModelRunner:
             position_ids=pos,
         )
 
-    def _decode_mask(self, lengths: list[int]) -> torch.Tensor | None:
-        """Padding mask for right-padded stacked caches (None when all lengths agree)."""
+    def _decode_mask(self, lengths: list[int], positions: torch.Tensor) -> torch.Tensor | None:
+        """Padding mask for right-padded stacked caches (None when all lengths agree);
+        ``positions`` (the new tokens') are the lengths minus one, already on the device."""
         longest = max(lengths)
         if min(lengths) == longest:
             return None
         cols = torch.arange(longest, device=self.device)
-        keep = cols[None, :] < torch.tensor(lengths, device=self.device)[:, None]
+        keep = cols[None, :] <= positions[:, None]
         keep = keep[:, None, None, :]  # [B, 1, 1, L]
         if self.attn_impl == "sdpa":
             return keep
