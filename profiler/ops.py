@@ -99,7 +99,6 @@ class GrowingLayer(DynamicLayer):
         keys = key_states.new_empty(*key_states.shape[:2], size, key_states.shape[-1])
         values = value_states.new_empty(*value_states.shape[:2], size, value_states.shape[-1])
         self._store(keys, values)
-        self.device, self.is_initialized = key_states.device, True
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor, owner: _PaddedKV | None = None):
         """Move the cached tokens into new storage (a row of ``owner``'s buffer, or its own)."""
@@ -107,6 +106,7 @@ class GrowingLayer(DynamicLayer):
             keys[:, :, : self.length] = self.keys
             values[:, :, : self.length] = self.values
         self._keys, self._values, self.bound = keys, values, owner
+        self.device, self.is_initialized = keys.device, True
 
     def get_seq_length(self) -> int:
         return self.length
@@ -248,29 +248,37 @@ class _PaddedKV:
     layer (zeros where no token was ever written: the padding must be finite to be masked).
 
     Binding copies each sequence's cache into its row once, and that row becomes the
-    sequence's storage (its ``GrowingLayer``s are ``bound`` here). A decode step then writes the
-    whole batch's new keys and values with one ``index_copy_`` per layer and gives attention a
-    view of the buffer, where updating B caches and stacking them again took 4 x B small copies
-    per layer. While the same sequences decode together, step after step, the buffer is reused;
-    a new batch, or one that outgrew the buffer, binds anew (the sequences keep their tokens).
+    sequence's storage (its ``GrowingLayer``s are ``bound`` here); a layer binds at its first
+    update, whose new keys give the shape (the caches may still be empty: one-token prompts).
+    A decode step then writes the whole batch's new keys and values with one ``index_copy_``
+    per layer and gives attention a view of the buffer, where updating B caches and stacking
+    them again took 4 x B small copies per layer. While the same sequences decode together,
+    step after step, the buffer is reused; a new batch, or one that outgrew the buffer, binds
+    anew (the sequences keep their tokens).
     """
 
     def __init__(self, sequences: list[KVSequence], capacity: int) -> None:
         self.sequences = sequences
         self.capacity = capacity
         self.layers = list(zip(*(s.cache.layers for s in sequences), strict=True))  # [l][i]
-        self.keys, self.values = [], []
-        for layers in self.layers:
-            k, v = layers[0].keys, layers[0].values  # [1, H, n, D]
-            keys = k.new_zeros(len(sequences), k.shape[1], capacity, k.shape[-1])
-            values = v.new_zeros(len(sequences), v.shape[1], capacity, v.shape[-1])
-            for i, layer in enumerate(layers):
-                layer._store(keys[i : i + 1], values[i : i + 1], self)
-            self.keys.append(keys)
-            self.values.append(values)
-        b, h = keys.shape[:2]
+        self.keys: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.values: list[torch.Tensor | None] = [None] * len(self.layers)
         # Row of token 0 of (sequence i, head j) in a buffer viewed as [B * H * capacity, D].
-        self.first_rows = (torch.arange(b * h, device=keys.device) * capacity).view(b, h)
+        self.first_rows: torch.Tensor | None = None
+
+    def buffers(self, layer_idx: int, new_keys: torch.Tensor, new_values: torch.Tensor):
+        """A layer's padded keys and values, bound at the first call (new_*: [B, H, 1, D])."""
+        if self.keys[layer_idx] is None:
+            b, h, _, d = new_keys.shape
+            keys = new_keys.new_zeros(b, h, self.capacity, d)
+            values = new_values.new_zeros(b, h, self.capacity, new_values.shape[-1])
+            for i, layer in enumerate(self.layers[layer_idx]):
+                layer._store(keys[i : i + 1], values[i : i + 1], self)
+            self.keys[layer_idx], self.values[layer_idx] = keys, values
+            if self.first_rows is None:
+                rows = torch.arange(b * h, device=keys.device) * self.capacity
+                self.first_rows = rows.view(b, h)
+        return self.keys[layer_idx], self.values[layer_idx]
 
     def holds(self, sequences: list[KVSequence], num_tokens: int) -> bool:
         """Whether these sequences, in this order, are bound here with room for num_tokens."""
@@ -292,11 +300,14 @@ class _BatchKV:
         self.padded = padded
         self.lengths = lengths
         self.max_len = max(lengths)
-        self.rows = (padded.first_rows + positions[:, None]).view(-1)  # positions: lengths - 1
+        self.positions = positions  # the new tokens': lengths - 1
+        self.rows: torch.Tensor | None = None  # their rows in the buffers viewed as [-1, D]
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
         p = self.padded
-        k, v = p.keys[layer_idx], p.values[layer_idx]
+        k, v = p.buffers(layer_idx, keys, values)
+        if self.rows is None:
+            self.rows = (p.first_rows + self.positions[:, None]).view(-1)
         k.view(-1, k.shape[-1]).index_copy_(0, self.rows, keys.reshape(-1, keys.shape[-1]))
         v.view(-1, v.shape[-1]).index_copy_(0, self.rows, values.reshape(-1, values.shape[-1]))
         for layer, n in zip(p.layers[layer_idx], self.lengths, strict=True):
