@@ -51,6 +51,9 @@ def main(cfg: DictConfig) -> None:
         fail(str(e))
     n = len(profile.points)
     print(f"profile {profile.name}: {n} points, {profile.device}, {profile.dtype} -> {directory}")
+    spread = profile.spread()
+    if spread is not None and spread.noisy:
+        print(spread.warning(profile.name), file=sys.stderr)
 
 
 def cli() -> None:
