@@ -153,7 +153,7 @@ def per_iteration_ms(acc: dict[str, float], total_s: float, n: int) -> dict[str,
 
 def experts_alone_ms(model, runner: ModelRunner, batch: int, clock, reps: int) -> dict:
     """One MoE layer's experts on ``batch`` tokens routed by its own gate: the runner's
-    stepped experts (queues + one stage per expert) against the model's experts module."""
+    stepped experts against the model's experts module."""
     layer = runner.moe_layers[0]
     mlp = runner.layers[layer].mlp
     gen = torch.Generator().manual_seed(0)
@@ -161,12 +161,12 @@ def experts_alone_ms(model, runner: ModelRunner, batch: int, clock, reps: int) -
                                                                          runner.dtype)  # fmt: skip
     _, top_w, top_idx = mlp.gate(x)
 
-    def stepped() -> None:
-        state = IterationState(sequences=[])
+    def stepped() -> None:  # queues, one stage per expert, the combine (+ a residual add)
+        state = IterationState(sequences=[], hidden=x, pending_layer=layer)
         state.routing = Routing.build(x, top_idx, top_w, runner.num_experts)
-        state.moe_out = torch.zeros_like(x)
         for e in range(runner.num_experts):
             runner.expert(layer, e, state)
+        runner.finish_layer(state)
 
     def fused() -> None:
         mlp.experts(x, top_idx, top_w)

@@ -7,17 +7,20 @@ times::
     1 + l*(2+E) + 0              attention(l): input norm + self-attention + residual
     1 + l*(2+E) + 1              router(l): post-attention norm + gate + per-expert queues
                                  (+ the shared expert, or the whole MLP of a dense layer)
-    1 + l*(2+E) + 2 + e          expert(l, e): expert e's FFN on its queue, scatter-added
+    1 + l*(2+E) + 2 + e          expert(l, e): expert e's FFN on its queue
     1 + L*(2+E)                  lm_head: final norm + lm_head + greedy token per sequence
 
 All of an iteration's intermediate results live in an ``IterationState`` (the residual
-stream, the per-expert queues with their gathered inputs and routing weights, the partial
-expert sum), so the iteration can stop at any boundary and resume later without recomputing
-anything: the preemption points. Sequences keep their KV caches between iterations.
+stream, the per-expert queues with their gathered inputs and routing weights, the experts that
+ran having written their outputs over their inputs), so the iteration can stop at any boundary
+and resume later without recomputing anything: the preemption points. Sequences keep their KV
+caches between iterations.
 
-The layer's combine (residual + expert sum + shared expert) has no stage of its own: it runs at
-the start of the next stage that reads the residual stream (the next layer's attention or the
-lm_head), so the flat list above needs no extra index.
+The layer's combine (residual + the experts' outputs, weighted and scatter-added + shared
+expert) has no stage of its own: it runs at the start of the next stage that reads the residual
+stream (the next layer's attention or the lm_head), so the flat list above needs no extra
+index. Weighting and scatter-adding all experts' outputs there, in one op each, costs a
+stepped layer 3 x E fewer small ops than doing it expert by expert.
 
 Every sequence owns its KV cache (a ``DynamicCache`` of ``GrowingLayer``s): sequences join and
 leave batches freely.
@@ -165,10 +168,11 @@ class KVSequence:
 class Routing:
     """One layer's per-expert queues, sorted by expert: expert e's entries are rows
     ``bounds[e]:bounds[e+1]`` of ``token_idx`` (the token's row in the batch), ``inputs`` (the
-    token's MoE input, gathered once for all experts) and ``weights`` (its routing weight)."""
+    token's MoE input, gathered once for all experts; once expert e has run, its rows hold its
+    outputs) and ``weights`` (its routing weight)."""
 
     token_idx: torch.Tensor  # [T*k]
-    inputs: torch.Tensor  # [T*k, H]
+    inputs: torch.Tensor  # [T*k, H]: inputs, then outputs
     weights: torch.Tensor  # [T*k, 1]
     bounds: list[int]
 
@@ -208,7 +212,7 @@ class IterationState:
     offsets: list[int] = field(default_factory=list)  # sequence i's tokens: [o[i], o[i+1])
     is_decode: bool = False  # every sequence feeds exactly one token: batched attention
     hidden: torch.Tensor | None = None  # residual stream [T, H]
-    moe_out: torch.Tensor | None = None  # expert sum so far [T, H]
+    moe_out: torch.Tensor | None = None  # a dense layer's MLP output [T, H]
     shared_out: torch.Tensor | None = None  # shared expert output [T, H]
     routing: Routing | None = None
     pending_layer: int = -1  # layer whose MoE output is not yet in ``hidden``
@@ -548,29 +552,37 @@ class ModelRunner:
             return
         _, top_w, top_idx = mlp.gate(x)
         state.routing = Routing.build(x, top_idx, top_w, self.num_experts)
-        state.moe_out = torch.zeros_like(x)
         if hasattr(mlp, "shared_expert"):  # Qwen2-MoE: a sigmoid-gated shared expert
             state.shared_out = F.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
         elif hasattr(mlp, "shared_experts"):  # DeepSeek-V3
             state.shared_out = mlp.shared_experts(x)
 
     def expert(self, layer: int, e: int, state: IterationState) -> None:
-        """Expert e's FFN on its queued tokens, weighted and scatter-added into the layer's
-        output (the same arithmetic, in the same order, as transformers' eager experts)."""
+        """Expert e's FFN on its queued tokens, written over their inputs (which only this
+        expert reads); the combine weights and sums the outputs."""
         r = state.routing
         a, b = (0, 0) if r is None else (r.bounds[e], r.bounds[e + 1])
         if a == b:
             return
         gate_up, down, apply_gate = self._experts[layer]
-        h = apply_gate(F.linear(r.inputs[a:b], gate_up[e]))
-        h = F.linear(h, down[e]) * r.weights[a:b]
-        state.moe_out.index_add_(0, r.token_idx[a:b], h.to(state.moe_out.dtype))
+        rows = r.inputs[a:b]
+        torch.mm(apply_gate(F.linear(rows, gate_up[e])), down[e].t(), out=rows)
 
     def finish_layer(self, state: IterationState) -> None:
-        """Combine: residual + (expert sum + shared expert). A no-op when nothing is pending."""
+        """Combine: residual + (the weighted sum of the experts' outputs, or a dense layer's
+        output, + shared expert). The same arithmetic, in the same order, as transformers'
+        experts: each output times its routing weight, cast back, added per token in expert
+        order. A no-op when nothing is pending."""
         if state.pending_layer < 0:
             return
-        out = state.moe_out if state.shared_out is None else state.moe_out + state.shared_out
+        r = state.routing
+        if r is None:
+            out = state.moe_out
+        else:
+            weighted = (r.inputs * r.weights).to(r.inputs.dtype)
+            out = torch.zeros_like(state.hidden).index_add_(0, r.token_idx, weighted)
+        if state.shared_out is not None:
+            out = out + state.shared_out
         state.hidden = state.hidden + out
         state.moe_out = state.shared_out = state.routing = None
         state.pending_layer = -1
