@@ -41,8 +41,11 @@ op                        key columns (others are 0)     what was timed
                                                          pads a batch to its longest context,
                                                          so the model reads it at the max)
 ``router``                num_tokens                     post-attention norm + gate + top-k
-``expert``                num_tokens                     one expert's FFN on n tokens,
-                                                         including gather and scatter-add
+                                                         + gather into per-expert queues
+``expert``                num_tokens                     one expert's FFN on n tokens (the
+                                                         weighted scatter-add of all experts
+                                                         runs with the next attention or
+                                                         lm_head: profiler.ops' combine)
 ``lm_head``               batch_size                     final norm + lm_head + greedy sampling
                                                          of one token per sequence
 ``step_overhead``         batch_size                     per-iteration framework cost:
