@@ -259,24 +259,29 @@ class _PaddedKV:
     them again took 4 x B small copies per layer. While the same sequences decode together,
     step after step, the buffer is reused; a new batch, or one that outgrew the buffer, binds
     anew (the sequences keep their tokens).
+
+    The bound layers reference this object and it references no sequence (by ``id`` only), so
+    no reference cycle keeps a finished batch's buffers alive until the garbage collector runs.
     """
 
     def __init__(self, sequences: list[KVSequence], capacity: int) -> None:
-        self.sequences = sequences
+        self.ids = [id(s) for s in sequences]  # row order; a reused id is caught by ``bound``
         self.capacity = capacity
-        self.layers = list(zip(*(s.cache.layers for s in sequences), strict=True))  # [l][i]
-        self.keys: list[torch.Tensor | None] = [None] * len(self.layers)
-        self.values: list[torch.Tensor | None] = [None] * len(self.layers)
+        num_layers = len(sequences[0].cache.layers)
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
         # Row of token 0 of (sequence i, head j) in a buffer viewed as [B * H * capacity, D].
         self.first_rows: torch.Tensor | None = None
 
-    def buffers(self, layer_idx: int, new_keys: torch.Tensor, new_values: torch.Tensor):
-        """A layer's padded keys and values, bound at the first call (new_*: [B, H, 1, D])."""
+    def buffers(self, layers: list[GrowingLayer], layer_idx: int, new_keys: torch.Tensor,
+                new_values: torch.Tensor):  # fmt: skip
+        """A layer's padded keys and values, bound at the first call (``layers``: the
+        sequences' cache layers, in row order; new_*: [B, H, 1, D])."""
         if self.keys[layer_idx] is None:
             b, h, _, d = new_keys.shape
             keys = new_keys.new_zeros(b, h, self.capacity, d)
             values = new_values.new_zeros(b, h, self.capacity, new_values.shape[-1])
-            for i, layer in enumerate(self.layers[layer_idx]):
+            for i, layer in enumerate(layers):
                 layer._store(keys[i : i + 1], values[i : i + 1], self)
             self.keys[layer_idx], self.values[layer_idx] = keys, values
             if self.first_rows is None:
@@ -288,8 +293,8 @@ class _PaddedKV:
         """Whether these sequences, in this order, are bound here with room for num_tokens."""
         return (
             num_tokens <= self.capacity
-            and self.sequences == sequences
-            and all(layer.bound is self for layers in self.layers for layer in layers)
+            and self.ids == [id(s) for s in sequences]
+            and all(layer.bound is self for s in sequences for layer in s.cache.layers)
         )
 
 
@@ -300,8 +305,10 @@ class _BatchKV:
     is the paper's Unified Dynamic Cache: no sequence is ever re-padded in storage.
     """
 
-    def __init__(self, padded: _PaddedKV, lengths: list[int], positions: torch.Tensor) -> None:
+    def __init__(self, padded: _PaddedKV, sequences: list[KVSequence], lengths: list[int],
+                 positions: torch.Tensor) -> None:  # fmt: skip
         self.padded = padded
+        self.caches = [s.cache for s in sequences]
         self.lengths = lengths
         self.max_len = max(lengths)
         self.positions = positions  # the new tokens': lengths - 1
@@ -309,12 +316,13 @@ class _BatchKV:
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
         p = self.padded
-        k, v = p.buffers(layer_idx, keys, values)
+        layers = [c.layers[layer_idx] for c in self.caches]
+        k, v = p.buffers(layers, layer_idx, keys, values)
         if self.rows is None:
             self.rows = (p.first_rows + self.positions[:, None]).view(-1)
         k.view(-1, k.shape[-1]).index_copy_(0, self.rows, keys.reshape(-1, keys.shape[-1]))
         v.view(-1, v.shape[-1]).index_copy_(0, self.rows, values.reshape(-1, values.shape[-1]))
-        for layer, n in zip(p.layers[layer_idx], self.lengths, strict=True):
+        for layer, n in zip(layers, self.lengths, strict=True):
             layer.length = n
         return k[:, :, : self.max_len], v[:, :, : self.max_len]
 
@@ -469,7 +477,7 @@ class ModelRunner:
             lengths = [s.num_cached + 1 for s in seqs]
             state.masks = [self._decode_mask(lengths, pos[0])]
             padded = self._padded_kv(state.sequences, max(lengths))
-            state.batch_kv = _BatchKV(padded, lengths, pos[0])
+            state.batch_kv = _BatchKV(padded, seqs, lengths, pos[0])
         else:
             state.rope = (cos, sin)
             state.masks = [self._prefill_mask(state, i) for i in range(len(seqs))]

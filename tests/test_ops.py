@@ -4,6 +4,8 @@ another batch runs."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -163,3 +165,21 @@ def test_decode_attention_copies_no_kv_per_sequence():
     small, large = decode_attention_ops(runner, 2), decode_attention_ops(runner, 6)
     assert sorted(small) == sorted(large)
     assert small.count("index_copy_") == 2  # keys, values
+
+
+def test_a_finished_batch_frees_its_padded_kv_without_the_garbage_collector():
+    """No reference cycle between sequences and their batch's padded KV: on a GPU, buffers
+    left to the cyclic collector pile up between its runs."""
+    runner = tiny_runner()
+    gc.collect()
+    gc.disable()
+    try:
+        seqs = [runner.new_sequence(p) for p in prompts(4, 6)]
+        for _ in range(3):  # prefill, two decode steps on one padded KV
+            runner.run(runner.begin(seqs))
+        padded = runner._padded
+        assert padded() is not None and padded().holds(seqs, 9)
+        del seqs
+        assert padded() is None
+    finally:
+        gc.enable()
