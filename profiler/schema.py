@@ -13,16 +13,17 @@ A profile is a directory with two files:
                "head_dim", "vocab_size"},
      "memory": {"kv_capacity_tokens", "kv_bytes_per_token", "activation_bytes_per_token"},
      "routing": {"expert_load": [[float] * num_experts] * num_layers | null},
-     "spread": {"median_factor", "worst_factor", "worst", "threshold", "noisy"} | null}
+     "spread": {"median_factor", "worst_factor", "worst", "threshold", "noisy"}}  # measured
 
 ``expert_load[l][e]`` is the fraction of layer l's token-to-expert assignments that expert e
 received (each row sums to 1); null means uniform routing.
 
-``spread`` summarizes how much the repeats behind the points scatter, written for the reader
-and recomputed from ops.csv on load: ``p90_ms / median_ms`` of each point of the ops that
-repeat one shape (``REPEATED_OPS``), its median over those points, and the worst point. A
-worst factor above ``NOISY_SPREAD`` flags a profile measured while something else used the
-machine (``noisy``); qllm-profile and every loader warn about it in one line.
+``spread`` (measured profiles only: the others have no repeats) summarizes how much the
+repeats behind the points scatter, written for the reader and recomputed from ops.csv on load:
+``p90_ms / median_ms`` of each point of the ops that repeat one shape (``REPEATED_OPS``), its
+median over those points, and the worst point. A worst factor above ``NOISY_SPREAD`` flags a
+profile measured while something else used the machine (``noisy``); qllm-profile and every
+loader warn about it in one line.
 
 ``ops.csv``: one row per measured point, times in milliseconds for ONE layer (the executor
 multiplies per-layer ops by the number of layers)::
@@ -237,9 +238,10 @@ class Profile:
             "model": asdict(self.model),
             "memory": asdict(self.memory),
             "routing": {"expert_load": self.expert_load},
-            "spread": spread_dict(self.spread()),
             "extra": self.extra,
         }
+        if self.source == "measured" and self.spread() is not None:
+            meta["spread"] = {**asdict(self.spread()), "noisy": self.spread().noisy}
         (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         with open(directory / OPS_FILE, "w", newline="") as f:
             w = csv.writer(f)
@@ -303,7 +305,3 @@ class Profile:
             )
         except (KeyError, TypeError) as e:
             raise ProfileError(f"{meta_path}: missing or malformed field ({e})") from None
-
-
-def spread_dict(s: Spread | None) -> dict | None:
-    return None if s is None else {**asdict(s), "noisy": s.noisy}

@@ -176,8 +176,10 @@ def test_scattered_repeats_flag_the_profile_and_tight_ones_do_not(tmp_path):
 
 
 def saved_profile(tmp_path: Path, attn_p90_ms: float) -> Path:
-    """conftest's hand-made profile with one decode attention point's p90 replaced."""
+    """conftest's hand-made profile, as if measured, with one decode attention point's p90
+    replaced."""
     profile = linear_profile()
+    profile.source = "measured"
     attn = next(p for p in profile.points if p.op == "attn_decode")
     profile.points[profile.points.index(attn)] = replace(attn, p90_ms=attn_p90_ms)
     return profile.save(tmp_path / f"p90-{attn_p90_ms}")
