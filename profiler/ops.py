@@ -27,9 +27,10 @@ leave batches freely.
 Prefill attention runs sequence by sequence (pad-free, the profile's ``attn_prefill`` is per
 sequence); decode attention runs once for the whole batch, on one right-padded buffer per
 layer that holds the batch's caches as rows (``_PaddedKV``, kept while the batch decodes on).
-Norms, router, experts and lm_head
-always run once on all the batch's tokens. The model's own modules do the work (norms,
-attention, gate, expert weights), so the runner matches ``model.generate`` token for token.
+Norms, router, experts and lm_head always run once on all the batch's tokens. The model's own
+modules do the work (norms, attention, gate, expert weights), so the runner matches
+``model.generate`` token for token. Host work per layer does not grow with the batch: one host
+read per router (its queue sizes), no per-sequence copy in decode attention.
 """
 
 from __future__ import annotations
