@@ -29,8 +29,8 @@ sequence); decode attention runs once for the whole batch, on one right-padded b
 layer that holds the batch's caches as rows (``_PaddedKV``, kept while the batch decodes on).
 Norms, router, experts and lm_head always run once on all the batch's tokens. The model's own
 modules do the work (norms, attention, gate, expert weights), so the runner matches
-``model.generate`` token for token. Host work per layer does not grow with the batch: one host
-read per router (its queue sizes), no per-sequence copy in decode attention.
+``model.generate`` token for token. No layer issues a tensor op per sequence in decode, and
+each router reads the device once (its queue sizes).
 """
 
 from __future__ import annotations
