@@ -5,6 +5,8 @@ User errors (unknown model, bad path, no CUDA, bad setting) print one line and e
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
@@ -60,6 +62,9 @@ def main(cfg: DictConfig) -> None:
         fail(str(e))
     n = len(profile.points)
     print(f"profile {profile.name}: {n} points, {profile.device}, {profile.dtype} -> {directory}")
+    spread = profile.spread()
+    if spread is not None and spread.noisy:
+        print(spread.warning(profile.name), file=sys.stderr)
 
 
 def cli() -> None:

@@ -17,9 +17,11 @@ than inside an iteration, where the rest of the model streamed through the cache
 - every expert stage of both gives a sample of ``expert(n)``, n its queue size; samples are
   pooled in bins around ``grid.expert_tokens`` (a point per bin: median n, median time).
 
-Each iteration runs ``warmup`` + ``repeats`` times (the sequences rewound in between);
-attention and router samples pool all layers. Times: a CPU clock, or CUDA events recorded at
-every stage boundary (no extra synchronisation inside the iteration).
+Each iteration runs ``warmup`` + ``repeats`` times (the sequences rewound in between), after
+one untimed prefill and decode step at the grid's largest shapes; attention and router samples
+pool all layers. Times: a CPU clock, or CUDA events (made once, reused) recorded at every stage
+boundary (no extra synchronisation inside the iteration). Each point keeps its median and p90:
+the profile's ``spread`` (profiler/schema.py) flags a profile whose repeats scatter.
 """
 
 from __future__ import annotations
@@ -111,29 +113,33 @@ class StageTime:
 
 class StageClock:
     """Times every stage of an iteration where it runs: a CPU clock read at each boundary, or
-    CUDA events recorded at each boundary and read once the iteration is over."""
+    CUDA events recorded at each boundary and read once the iteration is over. The events are
+    made once and reused by every iteration (all are read before the next one records)."""
 
     def __init__(self, device: torch.device, clock: str = "wall") -> None:
         self.cuda = device.type == "cuda"
         self.clock = CLOCKS[clock]
+        self.events: list = []  # CUDA events, one per stage boundary
 
     def iteration(self, runner: ModelRunner, seqs: list[KVSequence]) -> tuple[float, list]:
         """(total ms, [StageTime]) of one whole iteration of ``seqs``."""
         state = runner.begin(seqs)
-        refs, tokens, marks = [], [], [self._mark()]
+        refs, tokens, marks = [], [], [self._mark(0)]
         while not state.done:
             ref = runner.next_stage(state)
             tokens.append(state.queue_size(ref.expert) if ref.stage == "expert" else 0)
             runner.step(state)
-            marks.append(self._mark())
+            marks.append(self._mark(len(marks)))
             refs.append(ref)
         ms = self._elapsed(marks)
         return sum(ms), [StageTime(r, n, t) for r, n, t in zip(refs, tokens, ms, strict=True)]
 
-    def _mark(self):
+    def _mark(self, boundary: int):
         if not self.cuda:
             return self.clock()
-        event = torch.cuda.Event(enable_timing=True)
+        if boundary == len(self.events):
+            self.events.append(torch.cuda.Event(enable_timing=True))
+        event = self.events[boundary]
         event.record()
         return event
 
@@ -220,8 +226,20 @@ class Profiler:
         self.runner.run(self.runner.begin(seqs))  # the prefill: kv cached, one token to feed
         self.record(self.repeat(seqs), num_tokens=batch, batch=batch, kv=kv)
 
+    def warm_up(self) -> None:
+        """One prefill of the longest prompt and one decode step of the largest batch before
+        anything is timed: the first calls of a new GEMM shape pick (on CUDA, load) kernels,
+        and the per-shape warm-up alone would leave that to the first shape of each size."""
+        s = self.settings
+        self.runner.run(self.runner.begin(self.prompts([max(s.prefill_tokens)])))
+        seqs = self.prompts([min(s.decode_kv)] * max(s.decode_batch))
+        for _ in range(2):  # the prefill, then a decode step
+            self.runner.run(self.runner.begin(seqs))
+
     def points(self, progress: bool = True) -> list[OpPoint]:
         s = self.settings
+        if s.warmup:
+            self.warm_up()
         bar = tqdm(total=s.num_iterations, desc="profiling", unit="shape", disable=not progress)
         for n in s.prefill_tokens:
             self.prefill(n)
@@ -342,8 +360,11 @@ def run(cfg: Any, progress: bool = True) -> tuple[Profile, Path]:
     """Build the configured model, profile it and save the profile (the ``qllm-profile`` app;
     ``cfg`` is conf/profiler.yaml composed). Returns the profile and its directory."""
     settings = Settings.from_config(cfg)
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg["threads"]))
+    threads = cfg.get("threads")
+    if threads is not None:
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise SettingsError(f"threads={threads}: an integer >= 1, or null (torch's default)")
+        torch.set_num_threads(threads)
     model_cfg = cfg["model"]
     if isinstance(model_cfg, DictConfig):  # config overrides reach transformers as plain values
         model_cfg = OmegaConf.to_container(model_cfg, resolve=True)

@@ -7,30 +7,36 @@ times::
     1 + l*(2+E) + 0              attention(l): input norm + self-attention + residual
     1 + l*(2+E) + 1              router(l): post-attention norm + gate + per-expert queues
                                  (+ the shared expert, or the whole MLP of a dense layer)
-    1 + l*(2+E) + 2 + e          expert(l, e): expert e's FFN on its queue, scatter-added
+    1 + l*(2+E) + 2 + e          expert(l, e): expert e's FFN on its queue
     1 + L*(2+E)                  lm_head: final norm + lm_head + greedy token per sequence
 
 All of an iteration's intermediate results live in an ``IterationState`` (the residual
-stream, the per-expert queues with their gathered inputs and routing weights, the partial
-expert sum), so the iteration can stop at any boundary and resume later without recomputing
-anything: the preemption points. Sequences keep their KV caches between iterations.
+stream, the per-expert queues with their gathered inputs and routing weights, the experts that
+ran having written their outputs over their inputs), so the iteration can stop at any boundary
+and resume later without recomputing anything: the preemption points. Sequences keep their KV
+caches between iterations.
 
-The layer's combine (residual + expert sum + shared expert) has no stage of its own: it runs at
-the start of the next stage that reads the residual stream (the next layer's attention or the
-lm_head), so the flat list above needs no extra index.
+The layer's combine (residual + the experts' outputs, weighted and scatter-added + shared
+expert) has no stage of its own: it runs at the start of the next stage that reads the residual
+stream (the next layer's attention or the lm_head), so the flat list above needs no extra
+index. Weighting and scatter-adding all experts' outputs there, in one op each, costs a
+stepped layer 3 x E fewer small ops than doing it expert by expert.
 
 Every sequence owns its KV cache (a ``DynamicCache`` of ``GrowingLayer``s): sequences join and
 leave batches freely.
 Prefill attention runs sequence by sequence (pad-free, the profile's ``attn_prefill`` is per
-sequence); decode attention runs once for the whole batch, on the batch's caches stacked (and
-right-padded when their lengths differ) by ``_BatchKV``. Norms, router, experts and lm_head
-always run once on all the batch's tokens. The model's own modules do the work (norms,
-attention, gate, expert weights), so the runner matches ``model.generate`` token for token.
+sequence); decode attention runs once for the whole batch, on one right-padded buffer per
+layer that holds the batch's caches as rows (``_PaddedKV``, kept while the batch decodes on).
+Norms, router, experts and lm_head always run once on all the batch's tokens. The model's own
+modules do the work (norms, attention, gate, expert weights), so the runner matches
+``model.generate`` token for token. No layer issues a tensor op per sequence in decode, and
+each router reads the device once (its queue sizes).
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -75,17 +81,37 @@ class GrowingLayer(DynamicLayer):
 
     ``DynamicLayer`` copies a sequence's whole cache into a fresh tensor at every update: in a
     decode batch, one allocation and full copy per sequence and layer, which made batched decode
-    up to 2x slower than ``generate`` (whose one batched cache is copied once). Here ``keys`` and
-    ``values`` are views of a buffer that grows by a quarter (64 tokens at least) when full, or
-    that is sized once from a capacity hint (prompt + output tokens, when the caller knows).
+    up to 2x slower than ``generate`` (whose one batched cache is copied once). Here the storage
+    is a buffer that grows by a quarter (64 tokens at least) when full, or that is sized once
+    from a capacity hint (prompt + output tokens, when the caller knows); ``keys`` and
+    ``values`` are its first ``length`` tokens. In a decode batch the storage is a row of the
+    batch's padded buffer (``bound`` to that ``_PaddedKV``), written by the batch for all its
+    sequences at once.
     """
 
     GROW_MIN = 64
 
     def __init__(self, capacity: int = 0) -> None:
-        super().__init__()
+        super().__init__()  # assigns keys and values: empty storage, length 0, unbound
         self.capacity = capacity
-        self.length = 0
+
+    # Assigning keys (as DynamicLayer's own methods do) replaces the storage by that tensor.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._keys[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._keys, self.bound = tensor, None
+        self.length = 0 if tensor is None else tensor.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._values is None else self._values[:, :, : self.length]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._values = tensor
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         end = self.length + key_states.shape[-2]
@@ -93,22 +119,22 @@ class GrowingLayer(DynamicLayer):
             self._grow(key_states, value_states, end)
         self._keys[:, :, self.length : end] = key_states
         self._values[:, :, self.length : end] = value_states
-        self._set_length(end)
+        self.length = end
         return self.keys, self.values
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> None:
         size = max(end + max(self.GROW_MIN, end // 4), self.capacity)
         keys = key_states.new_empty(*key_states.shape[:2], size, key_states.shape[-1])
         values = value_states.new_empty(*value_states.shape[:2], size, value_states.shape[-1])
-        if self.is_initialized:
+        self._store(keys, values)
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, owner: _PaddedKV | None = None):
+        """Move the cached tokens into new storage (a row of ``owner``'s buffer, or its own)."""
+        if self.is_initialized and self.length:
             keys[:, :, : self.length] = self.keys
             values[:, :, : self.length] = self.values
-        self._keys, self._values = keys, values
-        self.device, self.is_initialized = key_states.device, True
-
-    def _set_length(self, length: int) -> None:
-        self.length = length
-        self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
+        self._keys, self._values, self.bound = keys, values, owner
+        self.device, self.is_initialized = keys.device, True
 
     def get_seq_length(self) -> int:
         return self.length
@@ -116,12 +142,11 @@ class GrowingLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes the negative number of tokens to remove")
-        if self.is_initialized:
-            self._set_length(max(0, self.length + tokens_to_remove))
+        self.length = max(0, self.length + tokens_to_remove)
 
     def reset(self) -> None:
-        super().reset()
-        self.length = 0
+        self._keys = self._values = self.bound = None
+        self.length, self.is_initialized = 0, False
 
 
 class KVSequence:
@@ -168,10 +193,11 @@ class KVSequence:
 class Routing:
     """One layer's per-expert queues, sorted by expert: expert e's entries are rows
     ``bounds[e]:bounds[e+1]`` of ``token_idx`` (the token's row in the batch), ``inputs`` (the
-    token's MoE input, gathered once for all experts) and ``weights`` (its routing weight)."""
+    token's MoE input, gathered once for all experts; once expert e has run, its rows hold its
+    outputs) and ``weights`` (its routing weight)."""
 
     token_idx: torch.Tensor  # [T*k]
-    inputs: torch.Tensor  # [T*k, H]
+    inputs: torch.Tensor  # [T*k, H]: inputs, then outputs
     weights: torch.Tensor  # [T*k, 1]
     bounds: list[int]
 
@@ -184,13 +210,15 @@ class Routing:
         cls, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, num_experts: int
     ) -> Routing:
         k = top_idx.shape[-1]
-        flat = top_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts)
-        token_idx = order // k
-        # The one host sync of the MoE block: queue sizes decide the experts' work.
-        bounds = [0, *counts.cumsum(0).tolist()]
-        return cls(token_idx, x[token_idx], top_w.reshape(-1)[order, None], bounds)
+        experts, order = torch.sort(top_idx.reshape(-1), stable=True)
+        token_idx = torch.div(order, k, rounding_mode="floor")
+        # Expert e's queue starts where the sorted expert ids reach e. Reading these bounds is
+        # the one host sync of the MoE block (queue sizes decide the experts' work); on CUDA,
+        # bincount would add its own syncs (it reads the ids' min and max back).
+        ids = torch.arange(num_experts + 1, device=experts.device)
+        bounds = torch.searchsorted(experts, ids).tolist()
+        weights = top_w.reshape(-1, 1).index_select(0, order)
+        return cls(token_idx, x.index_select(0, token_idx), weights, bounds)
 
 
 class StageRef(NamedTuple):
@@ -209,12 +237,13 @@ class IterationState:
     offsets: list[int] = field(default_factory=list)  # sequence i's tokens: [o[i], o[i+1])
     is_decode: bool = False  # every sequence feeds exactly one token: batched attention
     hidden: torch.Tensor | None = None  # residual stream [T, H]
-    moe_out: torch.Tensor | None = None  # expert sum so far [T, H]
+    moe_out: torch.Tensor | None = None  # a dense layer's MLP output [T, H]
     shared_out: torch.Tensor | None = None  # shared expert output [T, H]
     routing: Routing | None = None
     pending_layer: int = -1  # layer whose MoE output is not yet in ``hidden``
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     masks: list | None = None  # per sequence (prefill) or one batch mask (decode)
+    batch_kv: _BatchKV | None = None  # decode only: the batch's caches for attention
     next_tokens: list[int] | None = None  # set by lm_head
 
     @property
@@ -243,35 +272,84 @@ class IterationState:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class _BatchKV:
-    """Presents the batch's per-sequence caches as one cache to a decode attention call.
+class _PaddedKV:
+    """A decode batch's KV caches, right-padded into one ``[B, H, capacity, D]`` buffer per
+    layer (zeros where no token was ever written: the padding must be finite to be masked).
 
-    The attention module calls ``update`` with the batch's new keys and values; each row goes
-    to its own sequence's cache, and the batch gets back all sequences' keys and values stacked
-    (right-padded to the longest, the padding masked out). This is the paper's Unified Dynamic
-    Cache: no sequence is ever re-padded in storage.
+    Binding copies each sequence's cache into its row once, and that row becomes the
+    sequence's storage (its ``GrowingLayer``s are ``bound`` here); a layer binds at its first
+    update, whose new keys give the shape (the caches may still be empty: one-token prompts).
+    A decode step then writes the whole batch's new keys and values with one ``index_copy_``
+    per layer and gives attention a view of the buffer, where updating B caches and stacking
+    them again took 4 x B small copies per layer. While the same sequences decode together,
+    step after step, the buffer is reused; a new batch, or one that outgrew the buffer, binds
+    anew (the sequences keep their tokens).
+
+    The bound layers reference this object and it references no sequence (by ``id`` only), so
+    no reference cycle keeps a finished batch's buffers alive until the garbage collector runs.
     """
 
-    def __init__(self, sequences: list[KVSequence], lengths: list[int]) -> None:
-        self.sequences = sequences
+    def __init__(self, sequences: list[KVSequence], capacity: int) -> None:
+        self.ids = [id(s) for s in sequences]  # row order; a reused id is caught by ``bound``
+        self.capacity = capacity
+        num_layers = len(sequences[0].cache.layers)
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        # Row of token 0 of (sequence i, head j) in a buffer viewed as [B * H * capacity, D].
+        self.first_rows: torch.Tensor | None = None
+
+    def buffers(self, layers: list[GrowingLayer], layer_idx: int, new_keys: torch.Tensor,
+                new_values: torch.Tensor):  # fmt: skip
+        """A layer's padded keys and values, bound at the first call (``layers``: the
+        sequences' cache layers, in row order; new_*: [B, H, 1, D])."""
+        if self.keys[layer_idx] is None:
+            b, h, _, d = new_keys.shape
+            keys = new_keys.new_zeros(b, h, self.capacity, d)
+            values = new_values.new_zeros(b, h, self.capacity, new_values.shape[-1])
+            for i, layer in enumerate(layers):
+                layer._store(keys[i : i + 1], values[i : i + 1], self)
+            self.keys[layer_idx], self.values[layer_idx] = keys, values
+            if self.first_rows is None:
+                rows = torch.arange(b * h, device=keys.device) * self.capacity
+                self.first_rows = rows.view(b, h)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def holds(self, sequences: list[KVSequence], num_tokens: int) -> bool:
+        """Whether these sequences, in this order, are bound here with room for num_tokens."""
+        return (
+            num_tokens <= self.capacity
+            and self.ids == [id(s) for s in sequences]
+            and all(layer.bound is self for s in sequences for layer in s.cache.layers)
+        )
+
+
+class _BatchKV:
+    """Presents a decode iteration's ``_PaddedKV`` as one cache to the attention calls: each
+    ``update`` writes the batch's new token (sequence i's at position ``lengths[i] - 1``) and
+    returns every sequence's keys and values up to the longest (the padding masked out). This
+    is the paper's Unified Dynamic Cache: no sequence is ever re-padded in storage.
+    """
+
+    def __init__(self, padded: _PaddedKV, sequences: list[KVSequence], lengths: list[int],
+                 positions: torch.Tensor) -> None:  # fmt: skip
+        self.padded = padded
+        self.caches = [s.cache for s in sequences]
         self.lengths = lengths
         self.max_len = max(lengths)
+        self.positions = positions  # the new tokens': lengths - 1
+        self.rows: torch.Tensor | None = None  # their rows in the buffers viewed as [-1, D]
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        per_seq = [
-            s.cache.layers[layer_idx].update(keys[i : i + 1], values[i : i + 1])
-            for i, s in enumerate(self.sequences)
-        ]
-        return self._stack([k for k, _ in per_seq]), self._stack([v for _, v in per_seq])
-
-    def _stack(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        if all(p.shape[-2] == self.max_len for p in parts):
-            return torch.cat(parts, dim=0)
-        b, (_, h, _, d) = len(parts), parts[0].shape
-        out = parts[0].new_zeros(b, h, self.max_len, d)
-        for i, p in enumerate(parts):
-            out[i, :, : p.shape[-2]] = p[0]
-        return out
+        p = self.padded
+        layers = [c.layers[layer_idx] for c in self.caches]
+        k, v = p.buffers(layers, layer_idx, keys, values)
+        if self.rows is None:
+            self.rows = (p.first_rows + self.positions[:, None]).view(-1)
+        k.view(-1, k.shape[-1]).index_copy_(0, self.rows, keys.reshape(-1, keys.shape[-1]))
+        v.view(-1, v.shape[-1]).index_copy_(0, self.rows, values.reshape(-1, values.shape[-1]))
+        for layer, n in zip(layers, self.lengths, strict=True):
+            layer.length = n
+        return k[:, :, : self.max_len], v[:, :, : self.max_len]
 
 
 class ModelRunner:
@@ -322,6 +400,9 @@ class ModelRunner:
         }
         self.moe_layers = sorted(self._experts)
         self._refs = [self.locate(i) for i in range(self.num_stages)]
+        # The last decode batch's padded KV, reused while the same batch decodes on. Weak: the
+        # bound sequences keep it alive, and it goes with them.
+        self._padded: weakref.ref[_PaddedKV] | None = None
 
     # ------------------------------------------------------------------------- layout
     @property
@@ -419,10 +500,23 @@ class ModelRunner:
         cos, sin = self.rotary(state.hidden, pos)
         if state.is_decode:  # [1, B, d] -> [B, 1, d]: one query per sequence
             state.rope = (cos.transpose(0, 1), sin.transpose(0, 1))
-            state.masks = [self._decode_mask([s.num_cached + 1 for s in seqs])]
+            lengths = [s.num_cached + 1 for s in seqs]
+            state.masks = [self._decode_mask(lengths, pos[0])]
+            padded = self._padded_kv(state.sequences, max(lengths))
+            state.batch_kv = _BatchKV(padded, seqs, lengths, pos[0])
         else:
             state.rope = (cos, sin)
             state.masks = [self._prefill_mask(state, i) for i in range(len(seqs))]
+
+    def _padded_kv(self, seqs: list[KVSequence], num_tokens: int) -> _PaddedKV:
+        """The batch's padded KV with room for ``num_tokens``: the last one, or a new one."""
+        padded = None if self._padded is None else self._padded()
+        if padded is None or not padded.holds(seqs, num_tokens):
+            hint = max(s.cache.layers[0].capacity for s in seqs)
+            capacity = max(num_tokens + max(GrowingLayer.GROW_MIN, num_tokens // 4), hint)
+            padded = _PaddedKV(seqs, capacity)
+            self._padded = weakref.ref(padded)
+        return padded
 
     def _prefill_mask(self, state: IterationState, i: int):
         s, n = state.sequences[i], state.offsets[i + 1] - state.offsets[i]
@@ -436,13 +530,14 @@ class ModelRunner:
             **{_MASK_CACHE_KW: s.cache},
         )
 
-    def _decode_mask(self, lengths: list[int]) -> torch.Tensor | None:
-        """Padding mask for right-padded stacked caches (None when all lengths agree)."""
+    def _decode_mask(self, lengths: list[int], positions: torch.Tensor) -> torch.Tensor | None:
+        """Padding mask for right-padded stacked caches (None when all lengths agree);
+        ``positions`` (the new tokens') are the lengths minus one, already on the device."""
         longest = max(lengths)
         if min(lengths) == longest:
             return None
         cols = torch.arange(longest, device=self.device)
-        keep = cols[None, :] < torch.tensor(lengths, device=self.device)[:, None]
+        keep = cols[None, :] <= positions[:, None]
         keep = keep[:, None, None, :]  # [B, 1, 1, L]
         if self.attn_impl == "sdpa":
             return keep
@@ -457,12 +552,11 @@ class ModelRunner:
         x = block.input_layernorm(state.hidden)
         cos, sin = state.rope
         if state.is_decode:
-            lengths = [s.num_cached + 1 for s in state.sequences]
             out, _ = block.self_attn(
                 hidden_states=x[:, None],
                 position_embeddings=(cos, sin),
                 attention_mask=state.masks[0],
-                **{self._attn_cache_kw: _BatchKV(state.sequences, lengths)},
+                **{self._attn_cache_kw: state.batch_kv},
             )
             out = out[:, 0]
         else:
@@ -492,29 +586,37 @@ class ModelRunner:
             return
         _, top_w, top_idx = mlp.gate(x)
         state.routing = Routing.build(x, top_idx, top_w, self.num_experts)
-        state.moe_out = torch.zeros_like(x)
         if hasattr(mlp, "shared_expert"):  # Qwen2-MoE: a sigmoid-gated shared expert
             state.shared_out = F.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
         elif hasattr(mlp, "shared_experts"):  # DeepSeek-V3
             state.shared_out = mlp.shared_experts(x)
 
     def expert(self, layer: int, e: int, state: IterationState) -> None:
-        """Expert e's FFN on its queued tokens, weighted and scatter-added into the layer's
-        output (the same arithmetic, in the same order, as transformers' eager experts)."""
+        """Expert e's FFN on its queued tokens, written over their inputs (which only this
+        expert reads); the combine weights and sums the outputs."""
         r = state.routing
         a, b = (0, 0) if r is None else (r.bounds[e], r.bounds[e + 1])
         if a == b:
             return
         gate_up, down, apply_gate = self._experts[layer]
-        h = apply_gate(F.linear(r.inputs[a:b], gate_up[e]))
-        h = F.linear(h, down[e]) * r.weights[a:b]
-        state.moe_out.index_add_(0, r.token_idx[a:b], h.to(state.moe_out.dtype))
+        rows = r.inputs[a:b]
+        torch.mm(apply_gate(F.linear(rows, gate_up[e])), down[e].t(), out=rows)
 
     def finish_layer(self, state: IterationState) -> None:
-        """Combine: residual + (expert sum + shared expert). A no-op when nothing is pending."""
+        """Combine: residual + (the weighted sum of the experts' outputs, or a dense layer's
+        output, + shared expert). The same arithmetic, in the same order, as transformers'
+        experts: each output times its routing weight, cast back, added per token in expert
+        order. A no-op when nothing is pending."""
         if state.pending_layer < 0:
             return
-        out = state.moe_out if state.shared_out is None else state.moe_out + state.shared_out
+        r = state.routing
+        if r is None:
+            out = state.moe_out
+        else:
+            weighted = (r.inputs * r.weights).to(r.inputs.dtype)
+            out = torch.zeros_like(state.hidden).index_add_(0, r.token_idx, weighted)
+        if state.shared_out is not None:
+            out = out + state.shared_out
         state.hidden = state.hidden + out
         state.moe_out = state.shared_out = state.routing = None
         state.pending_layer = -1
@@ -532,7 +634,7 @@ class ModelRunner:
             s.num_cached = len(s.token_ids)
             s.token_ids.append(t)
         state.next_tokens = tokens
-        state.hidden = None
+        state.hidden = state.batch_kv = None
 
     def check_kv(self, state: IterationState) -> None:
         """Every sequence's cache must now hold every token it was fed, in its first and last

@@ -13,7 +13,8 @@ A profile is a directory with two files:
                "head_dim", "vocab_size"},
      "memory": {"kv_capacity_tokens", "kv_bytes_per_token", "activation_bytes_per_token"},
      "routing": {"expert_load": [[float] * num_experts] * num_layers | null},
-     "prefill_attention": "per_prompt" | "batched"}     # absent: "per_prompt"
+     "prefill_attention": "per_prompt" | "batched",     # absent: "per_prompt"
+     "spread": {"median_factor", "worst_factor", "worst", "threshold", "noisy"}}  # measured
 
 ``prefill_attention`` says how the modelled engine runs a prefill batch's attention:
 ``per_prompt`` (one call per prompt, as realrun's runner does: the batch pays the sum of
@@ -22,6 +23,13 @@ vLLM do: the batch pays ``attn_prefill_batch`` once).
 
 ``expert_load[l][e]`` is the fraction of layer l's token-to-expert assignments that expert e
 received (each row sums to 1); null means uniform routing.
+
+``spread`` (measured profiles only: the others have no repeats) summarizes how much the
+repeats behind the points scatter, written for the reader and recomputed from ops.csv on load:
+``p90_ms / median_ms`` of each point of the ops that repeat one shape (``REPEATED_OPS``), its
+median over those points, and the worst point. A worst factor above ``NOISY_SPREAD`` flags a
+profile measured while something else used the machine (``noisy``); qllm-profile and every
+loader warn about it in one line.
 
 ``ops.csv``: one row per measured point, times in milliseconds for ONE layer (the executor
 multiplies per-layer ops by the number of layers)::
@@ -40,8 +48,11 @@ op                        key columns (others are 0)     what was timed
                                                          pads a batch to its longest context,
                                                          so the model reads it at the max)
 ``router``                num_tokens                     post-attention norm + gate + top-k
-``expert``                num_tokens                     one expert's FFN on n tokens,
-                                                         including gather and scatter-add;
+                                                         + gather into per-expert queues
+``expert``                num_tokens                     one expert's FFN on n tokens (the
+                                                         weighted scatter-add of all experts
+                                                         runs with the next attention or
+                                                         lm_head: profiler.ops' combine);
                                                          n = 0 (optional): the stage of an
                                                          expert that received no token
                                                          (absent: 0)
@@ -85,6 +96,16 @@ OPS: dict[str, tuple[str, ...]] = {
 }
 OPTIONAL_OPS = frozenset({"attn_prefill_batch", "preempt_switch"})
 PREFILL_ATTENTION = ("per_prompt", "batched")
+# Ops whose samples repeat one shape (all layers of a few identical iterations). Expert points
+# pool different queue sizes and step_overhead is one residual per shape: their spread is not
+# noise.
+REPEATED_OPS = ("attn_prefill", "attn_decode", "router", "lm_head")
+# A point whose p90 exceeds its median this many times had at least a tenth of its repeats
+# slowed down that much by something else. The tiny-mixtral profile in results/validation,
+# taken on a quiet machine, has 1.54x at worst (median 1.22x); on this project's 2-core machine
+# at a load of ~10 a threads=1 profile reached 2.7x (process clock) and 50x (wall clock), and
+# with all threads some stages came out 1,600x slower.
+NOISY_SPREAD = 2.0
 COLUMNS = ("op", "batch_size", "num_tokens", "kv_tokens", "median_ms", "p90_ms")
 META_FILE = "profile.json"
 OPS_FILE = "ops.csv"
@@ -105,6 +126,46 @@ class OpPoint:
 
     def key(self) -> tuple[int, ...]:
         return tuple(getattr(self, k) for k in OPS[self.op])
+
+    def label(self) -> str:
+        """e.g. ``attn_decode(batch_size=8, kv_tokens=512)``"""
+        return f"{self.op}({', '.join(f'{k}={getattr(self, k)}' for k in OPS[self.op])})"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How much a profile's repeats scatter (see the module docstring)."""
+
+    median_factor: float
+    worst_factor: float
+    worst: str  # the worst point's label
+    threshold: float = NOISY_SPREAD
+
+    @property
+    def noisy(self) -> bool:
+        return self.worst_factor > self.threshold
+
+    def warning(self, name: str) -> str:
+        return (
+            f"warning: profile {name} looks measured on a busy machine: {self.worst} has a p90 "
+            f"{self.worst_factor:.1f}x its median (noisy above {self.threshold:g}x; median "
+            f"over points {self.median_factor:.2f}x); re-profile on an idle machine "
+            f"(on a CPU, threads=1 and clock=process shut most of the noise out)"
+        )
+
+
+def spread(points: list[OpPoint]) -> Spread | None:
+    """The spread of ``points`` (None without a point of a repeated op)."""
+    factors = sorted(
+        (p.p90_ms / p.median_ms, p.label())
+        for p in points
+        if p.op in REPEATED_OPS and p.median_ms > 0
+    )
+    if not factors:
+        return None
+    mid = len(factors) // 2
+    median = factors[mid][0] if len(factors) % 2 else (factors[mid - 1][0] + factors[mid][0]) / 2
+    return Spread(round(median, 3), round(factors[-1][0], 3), factors[-1][1])
 
 
 @dataclass
@@ -186,6 +247,9 @@ class Profile:
         if self.memory.kv_capacity_tokens < 1:
             raise ProfileError(f"{where}: kv_capacity_tokens must be >= 1")
 
+    def spread(self) -> Spread | None:
+        return spread(self.points)
+
     def op_points(self, op: str) -> list[OpPoint]:
         return sorted((p for p in self.points if p.op == op), key=OpPoint.key)
 
@@ -210,6 +274,8 @@ class Profile:
             "prefill_attention": self.prefill_attention,
             "extra": self.extra,
         }
+        if self.source == "measured" and self.spread() is not None:
+            meta["spread"] = {**asdict(self.spread()), "noisy": self.spread().noisy}
         (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         with open(directory / OPS_FILE, "w", newline="") as f:
             w = csv.writer(f)

@@ -67,13 +67,15 @@ def measure_memory(runner: ModelRunner) -> Memory:
     return Profiler(runner, Settings([1], [1], [1], [1]), runner.device).memory()
 
 
-def warm_up(runner: ModelRunner, prompt_tokens: int) -> None:
-    """The first calls of each torch op are slow (allocations, kernel choice): run a prefill
-    and a few decode steps before the clock starts, so no request is charged for them."""
+def warm_up(runner: ModelRunner, prompt_tokens: int, batch_size: int = 2) -> None:
+    """The first calls of each torch op and GEMM shape are slow (allocations, kernel choice; on
+    CUDA, kernels load at first use): before the clock starts, run a prefill of the longest
+    prompt and decode steps of the largest batch the run will use, so that no request is
+    charged for them."""
     vocab = runner.config.vocab_size
-    seqs = [runner.new_sequence(random_ids(n, vocab, 0, i))
-            for i, n in enumerate({prompt_tokens, 8})]  # fmt: skip
-    for _ in range(3):
+    runner.run(runner.begin([runner.new_sequence(random_ids(prompt_tokens, vocab, 0, 0))]))
+    seqs = [runner.new_sequence(random_ids(8, vocab, 0, i + 1)) for i in range(batch_size)]
+    for _ in range(3):  # the batch's prefill, then two decode steps
         runner.run(runner.begin(seqs))
 
 
@@ -117,7 +119,8 @@ def realrun(cfg: Any) -> RealOutput:
         activation_tokens_per_token=memory.activation_bytes_per_token / memory.kv_bytes_per_token,
     )
     if cfg.warmup:
-        warm_up(runner, max(r.prompt_tokens for r in requests))
+        largest_batch = min(cfg.policy.max_batch_size, len(requests))
+        warm_up(runner, max(r.prompt_tokens for r in requests), largest_batch)
     level = TraceLevel(cfg.trace)
     trace = None if level is TraceLevel.off else ChromeTrace(stages=level is TraceLevel.stages)
     virtual = ClockKind(cfg.clock) is ClockKind.virtual

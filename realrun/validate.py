@@ -146,7 +146,8 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
           f"rates {rates} req/s")  # fmt: skip
 
     if cfg.warmup:
-        warm_up(runner, max(r.prompt_tokens for r in nominal))
+        largest_batch = max(sim.policy.max_batch_size for sim in sims.values())
+        warm_up(runner, max(r.prompt_tokens for r in nominal), min(largest_batch, len(nominal)))
     records = []
     cases = [(rate, policy) for rate in rates for policy in cfg.policies]
     for rate, policy in tqdm(cases, desc="validating", unit="run", disable=not cfg.progress):

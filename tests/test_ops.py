@@ -4,9 +4,12 @@ another batch runs."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from policies.core import Stage
 from profiler.models import build_model
@@ -119,3 +122,90 @@ def test_an_attention_that_writes_no_kv_fails_the_iteration(decode):
     runner._attn_cache_kw = "ignored_by_attention"
     with pytest.raises(KVCacheError, match="holds 0 tokens|holds 3 tokens"):
         runner.run(runner.begin([seq]))
+
+
+def test_one_token_prompts_take_the_batched_path_and_equal_generate(f64):
+    """A batch of one-token prompts feeds one token each: its first iteration is a decode
+    step over empty caches, whose padded buffers take their shape from the new keys."""
+    model, runner = f64
+    seqs = [runner.new_sequence(p) for p in prompts(1, 1, 1, seed=2)]
+    for _ in range(NEW_TOKENS):
+        runner.run(runner.begin(seqs))
+    for s in seqs:
+        assert s.generated == reference(model, s.token_ids[:1])
+
+
+class OpLog(TorchDispatchMode):
+    """The aten ops run inside the ``with`` block, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# Ops whose CUDA kernels read a value back to the host (a device sync) before they return.
+SYNCING_OPS = {"bincount", "nonzero", "_local_scalar_dense", "item", "unique", "_unique2",
+               "masked_select", "is_nonzero", "repeat_interleave"}  # fmt: skip
+
+
+def tiny_runner() -> ModelRunner:
+    model, _ = build_model("tiny-mixtral")
+    return ModelRunner(model)
+
+
+def test_router_reads_the_device_once(monkeypatch):
+    runner = tiny_runner()
+    state = runner.begin([runner.new_sequence(p) for p in prompts(5, 9)])
+    runner.run(state, until=runner.flat_index(0, Stage.ROUTER))
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+    with OpLog() as log:
+        runner.step(state)
+    assert reads == [(runner.num_experts + 1,)]  # the queue bounds, nothing else
+    assert not SYNCING_OPS & set(log.ops)
+    assert sum(state.routing.counts) == 14 * runner.top_k
+
+
+def decode_attention_ops(runner: ModelRunner, batch: int) -> list[str]:
+    """The ops of layer 1's attention in the second decode step of ``batch`` sequences."""
+    seqs = [runner.new_sequence(p) for p in prompts(*range(3, 3 + batch))]
+    runner.run(runner.begin(seqs))  # prefill
+    runner.run(runner.begin(seqs))  # first decode step: binds the padded KV
+    state = runner.begin(seqs)
+    runner.run(state, until=runner.flat_index(1, Stage.ATTENTION))
+    with OpLog() as log:
+        runner.step(state)
+    runner.run(state)
+    return log.ops
+
+
+def test_decode_attention_copies_no_kv_per_sequence():
+    """The batch's new keys and values go into its padded buffer in one op each, and
+    attention reads a view of it: the ops do not grow with the batch."""
+    runner = tiny_runner()
+    small, large = decode_attention_ops(runner, 2), decode_attention_ops(runner, 6)
+    assert sorted(small) == sorted(large)
+    assert small.count("index_copy_") == 2  # keys, values
+
+
+def test_a_finished_batch_frees_its_padded_kv_without_the_garbage_collector():
+    """No reference cycle between sequences and their batch's padded KV: on a GPU, buffers
+    left to the cyclic collector pile up between its runs."""
+    runner = tiny_runner()
+    gc.collect()
+    gc.disable()
+    try:
+        seqs = [runner.new_sequence(p) for p in prompts(4, 6)]
+        for _ in range(3):  # prefill, two decode steps on one padded KV
+            runner.run(runner.begin(seqs))
+        padded = runner._padded
+        assert padded() is not None and padded().holds(seqs, 9)
+        del seqs
+        assert padded() is None
+    finally:
+        gc.enable()

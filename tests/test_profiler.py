@@ -8,17 +8,22 @@ import math
 import shutil
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from conftest import linear_profile
 
-from profiler import app, models
-from profiler.measure import run
+from profiler import app, measure, models
+from profiler.measure import Profiler, Settings, StageClock, run
 from profiler.models import PRESETS, ModelError, build_model
 from profiler.ops import ModelRunner
-from profiler.schema import OPS, OPTIONAL_OPS, Profile
+from profiler.schema import OPS, OPTIONAL_OPS, OpPoint, Profile, spread
+from realrun.run import warm_up
+from sim import profiles
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
 # A very small grid: two prefill shapes, two decode shapes, one run each.
@@ -148,3 +153,120 @@ def test_profiler_runs_on_cuda(tmp_path):
     assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS
     assert loaded.dtype == "bfloat16" and loaded.extra["device_type"] == "cuda"
     shutil.rmtree(directory)
+
+
+def test_the_profiler_uses_one_thread_by_default(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        assert app.compose_config().threads == 1
+        profile, _ = profile_in_process(tmp_path)
+        assert profile.extra["threads"] == torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def points_from(times_ms: list[float]) -> list[OpPoint]:
+    """The profiler's aggregation fed fake timings: a decode attention point with these
+    repeats, tight router and lm_head points, and expert samples of very different sizes."""
+    prof = Profiler(ModelRunner(build_model("tiny-mixtral")[0]), Settings([1], [1], [1], [4]),
+                    torch.device("cpu"))  # fmt: skip
+    prof.samples[("attn_decode", 8, 0, 512)] = times_ms
+    prof.samples[("router", 0, 8, 0)] = [0.2] * 36 + [0.21] * 4
+    prof.samples[("lm_head", 8, 0, 0)] = [0.5] * 40
+    prof.expert_samples = [(n, 0.01 * n) for n in range(1, 40)]  # one bin, 40x apart
+    return prof.table()
+
+
+def test_scattered_repeats_flag_the_profile_and_tight_ones_do_not(tmp_path):
+    tight = spread(points_from([1.0 + 0.01 * (i % 7) for i in range(40)]))
+    assert not tight.noisy and tight.worst_factor < 1.1
+    busy = spread(points_from([1.0] * 35 + [30.0] * 5))  # one repeat in eight 30x slower
+    assert busy.noisy and busy.worst == "attn_decode(batch_size=8, kv_tokens=512)"
+    assert busy.worst_factor == pytest.approx(30.0)
+    assert tight.median_factor < 1.1 and busy.median_factor < 1.1  # one bad point suffices
+
+
+def saved_profile(tmp_path: Path, attn_p90_ms: float) -> Path:
+    """conftest's hand-made profile, as if measured, with one decode attention point's p90
+    replaced."""
+    profile = linear_profile()
+    profile.source = "measured"
+    attn = next(p for p in profile.points if p.op == "attn_decode")
+    profile.points[profile.points.index(attn)] = replace(attn, p90_ms=attn_p90_ms)
+    return profile.save(tmp_path / f"p90-{attn_p90_ms}")
+
+
+def test_profile_json_records_the_spread_and_the_simulator_warns_once(tmp_path, capsys):
+    noisy, tight = saved_profile(tmp_path, 30.0), saved_profile(tmp_path, 1.2)
+    meta = json.loads((noisy / "profile.json").read_text())
+    assert meta["spread"]["noisy"] and meta["spread"]["worst_factor"] == 30.0
+    assert not json.loads((tight / "profile.json").read_text())["spread"]["noisy"]
+    profiles.load("", str(tight))
+    assert capsys.readouterr().err == ""
+    for _ in range(2):  # a sweep loads it once per run: one warning
+        profiles.load("", str(noisy))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("warning: profile test-linear looks measured on a busy machine")
+    assert "attn_decode(batch_size=1, kv_tokens=0) has a p90 30.0x its median" in line
+
+
+def test_qllm_profile_warns_in_one_line_about_a_noisy_profile(capsys, monkeypatch, tmp_path):
+    noisy = Profile.load(saved_profile(tmp_path, 30.0))
+    monkeypatch.setattr(measure, "run", lambda cfg, progress: (noisy, tmp_path))
+    monkeypatch.setattr(sys, "argv", ["qllm-profile", *SMALL, f"output.dir={tmp_path}"])
+    app.cli()
+    out, err = capsys.readouterr()
+    assert out.startswith("profile test-linear:")
+    assert len(err.splitlines()) == 1 and err.startswith("warning: profile test-linear")
+
+
+def test_bad_thread_counts_are_one_line_errors(capsys, monkeypatch, tmp_path):
+    for bad in ("0", "abc", "-2"):
+        err = user_error(capsys, monkeypatch, f"threads={bad}", f"output.dir={tmp_path}")
+        assert f"threads={bad}: an integer >= 1" in err
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event on a machine without CUDA; counts how many are made."""
+
+    made = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        FakeEvent.made += 1
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def test_stage_clock_reuses_its_cuda_events(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.made = 0
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    clock = StageClock(torch.device("cuda"))
+    seq = runner.new_sequence([1, 2, 3])
+    for _ in range(3):
+        total_ms, stages = clock.iteration(runner, [seq])
+        seq.truncate(3, 0)
+        assert len(stages) == runner.num_stages and total_ms > 0
+    assert FakeEvent.made == runner.num_stages + 1  # one per boundary, for all iterations
+
+
+def test_warm_ups_reach_the_largest_batch_and_prompt(monkeypatch):
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    shapes = []  # (sequences, tokens fed) of every iteration begun
+    begin = runner.begin
+    monkeypatch.setattr(runner, "begin", lambda seqs: shapes.append(
+        (len(seqs), sum(s.num_new for s in seqs))) or begin(seqs))  # fmt: skip
+    warm_up(runner, prompt_tokens=40, batch_size=6)
+    assert (1, 40) in shapes and (6, 6) in shapes  # the longest prefill; a decode of 6
+    shapes.clear()
+    settings = Settings([4, 24], [1, 5], [8], [1], warmup=1, repeats=1)
+    Profiler(runner, settings, torch.device("cpu")).points(progress=False)
+    assert shapes[:3] == [(1, 24), (5, 40), (5, 5)]  # before any shape of the grid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from profiler.schema import Profile, ProfileError
@@ -9,6 +10,7 @@ from sim.config import UserError
 
 BUILTIN_DIR = Path(__file__).resolve().parent
 MEASURED_DIR = Path("results") / "profiles"  # where qllm-profile writes, relative to the cwd
+_warned: set[Path] = set()  # noisy profiles already reported: once per process is enough
 
 
 def available() -> list[str]:
@@ -30,6 +32,11 @@ def load(name: str, path: str | None = None) -> Profile:
         if not (directory / "profile.json").is_file():
             raise UserError(f"profile.name={name}: unknown profile; available: {available()}")
     try:
-        return Profile.load(directory)
+        profile = Profile.load(directory)
     except ProfileError as e:
         raise UserError(str(e)) from None
+    spread = profile.spread()
+    if spread is not None and spread.noisy and directory.resolve() not in _warned:
+        _warned.add(directory.resolve())
+        print(spread.warning(profile.name), file=sys.stderr)
+    return profile
