@@ -223,7 +223,7 @@ def test_qllm_profile_warns_in_one_line_about_a_noisy_profile(capsys, monkeypatc
 def test_bad_thread_counts_are_one_line_errors(capsys, monkeypatch, tmp_path):
     for bad in ("0", "abc", "-2"):
         err = user_error(capsys, monkeypatch, f"threads={bad}", f"output.dir={tmp_path}")
-        assert f"threads={bad}: an integer >= 1" in err
+        assert f"threads={bad}:" in err and "integer >= 1" in err
 
 
 class FakeEvent:
