@@ -25,7 +25,7 @@ from conftest import linear_profile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies import Request, Scheduler
+from policies import Granularity, Request, Scheduler
 from policies.core import LS
 from policies.fcfs import FCFS
 from policies.iteration import IterationFCFS
@@ -276,3 +276,23 @@ def test_ls_never_preempted_kv_accounted_and_nothing_held_after_a_run(
                                   capacity=capacity)  # fmt: skip
     assert all(s.done for s in result.sequences) and len(result.sequences) == len(requests)
     check_busy_time_per_batch(result, latency)
+
+
+class QLLMWithoutPreemption(QLLM):
+    """Algorithm 1's batch order, decided only between iterations."""
+
+    granularity = Granularity.ITERATION
+
+
+def test_preemption_itself_cuts_ls_ttft():
+    """The same order with and without mid-iteration preemption, on the same requests: only
+    preemption separates them, and it must shorten LS waits (measured: 97 vs 111 ms)."""
+    profile = linear_profile(num_layers=4, num_experts=8, attn_ms=3, expert_ms=1)
+    ttft_ms, preemptions = {}, {}
+    for policy in (QLLM(), QLLMWithoutPreemption()):
+        result, _, _ = simulate(poisson(300, 8, seed=2), policy, profile, "lookup")
+        ls = [s.first_token_s - s.request.arrival_s for s in result.sequences if s.is_ls]
+        ttft_ms[policy.granularity] = 1e3 * float(np.mean(ls))
+        preemptions[policy.granularity] = result.preemptions
+    assert preemptions[Granularity.ITERATION] == 0 and preemptions[Granularity.EXPERT] >= 10
+    assert ttft_ms[Granularity.EXPERT] < 0.95 * ttft_ms[Granularity.ITERATION], ttft_ms
