@@ -175,6 +175,7 @@ def test_preempted_batch_resumes_from_its_cursor_losing_and_repeating_nothing(
         assert segments == [(0, 30, "prefill"), (30, 60, "prefill")]
         assert be_seq.finish_s == pytest.approx(30 * MS)
         assert ls_seq.first_token_s == pytest.approx(60 * MS)
+        assert result.events == (29 if mode == "step" else 4)
         return
     suspend_ms = BOUNDARY_MS[at]
     resume_ms = suspend_ms + ITERATION_MS
@@ -187,6 +188,9 @@ def test_preempted_batch_resumes_from_its_cursor_losing_and_repeating_nothing(
     assert ls_seq.first_token_s == pytest.approx(resume_ms * MS, abs=1e-12)
     assert be_seq.finish_s == pytest.approx(60 * MS, abs=1e-12)
     assert be_seq.preemptions == 1 and ls_seq.preemptions == 0
+    # step: one event per stage run (5 + 14 + 9) and the LS arrival; lookup: the arrival, the
+    # interrupt, and one timeout each for the run to the boundary, the LS and the rest of BE
+    assert result.events == (29 if mode == "step" else 5)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -215,6 +219,7 @@ def test_a_batch_preempted_twice_still_runs_each_stage_once(mode):
                    if bid == result.trace[0][2]]  # fmt: skip
     assert be_segments == [(0, 10), (40, 53), (83, 90)]
     assert result.sequences[0].finish_s == pytest.approx(90 * MS)
+    assert result.preemptions == 2 and result.sequences[0].preemptions == 2
 
 
 def poisson(n, rate, seed, ls_fraction=0.3):
