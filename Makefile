@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint format reproduce bench clean
+.PHONY: venv demo test lint format reproduce bench mutation clean
 
 venv: $(STAMP)
 
@@ -37,5 +37,12 @@ format: venv
 bench: venv
 	$(BIN)/python benchmarks/sim_speed.py
 
+# Mutation testing of policies/ and sim/{engine,latency,metrics}.py (mutmut; settings in
+# pyproject.toml): each mutant runs the fast tests that cover its function. Prints the score per
+# file and the survivors. Slow (see README, "Mutation testing"); not part of `make test`.
+mutation: venv
+	env -u PYTHONPATH $(BIN)/mutmut run --max-children 2
+	env -u PYTHONPATH $(BIN)/python benchmarks/mutation_score.py
+
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache
+	rm -rf $(VENV) outputs multirun mutants .pytest_cache .ruff_cache

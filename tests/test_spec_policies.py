@@ -67,15 +67,15 @@ def test_batch_repr_lists_at_most_six_ids():
 
 @pytest.mark.parametrize("policy_cls", [FCFS, IterationFCFS, Priority, LayerPreemptive, QLLM])
 def test_batch_limits_are_validated(policy_cls):
-    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
+    with pytest.raises(ValueError, match="^max_batch_size must be >= 1$"):
         policy_cls(max_batch_size=0)
-    with pytest.raises(ValueError, match="max_batch_prefill_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="^max_batch_prefill_tokens must be >= 1$"):
         policy_cls(max_batch_prefill_tokens=0)
     policy_cls(max_batch_size=1, max_batch_prefill_tokens=1)
 
 
 def test_scheduler_rejects_an_empty_kv_cache():
-    with pytest.raises(ValueError, match="kv_capacity_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="^kv_capacity_tokens must be >= 1$"):
         Scheduler(QLLM(), kv_capacity_tokens=0)
     Scheduler(QLLM(), kv_capacity_tokens=1)
 
@@ -85,7 +85,7 @@ def test_iteration_defaults_are_tgis_and_settings_are_validated():
     p = IterationFCFS()
     assert (p.max_waiting_tokens, p.waiting_served_ratio) == (20, 1.2)  # TGI's router defaults
     IterationFCFS(max_waiting_tokens=1, waiting_served_ratio=0)  # the smallest allowed
-    message = "max_waiting_tokens must be >= 1 and waiting_served_ratio >= 0"
+    message = "^max_waiting_tokens must be >= 1 and waiting_served_ratio >= 0$"
     with pytest.raises(ValueError, match=message):
         IterationFCFS(max_waiting_tokens=0)
     with pytest.raises(ValueError, match=message):

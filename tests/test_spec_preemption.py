@@ -301,3 +301,41 @@ def test_preemption_itself_cuts_ls_ttft():
         preemptions[policy.granularity] = result.preemptions
     assert preemptions[Granularity.ITERATION] == 0 and preemptions[Granularity.EXPERT] >= 10
     assert ttft_ms[Granularity.EXPERT] < 0.95 * ttft_ms[Granularity.ITERATION], ttft_ms
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("second_ms", [9.0, 9.5])
+def test_ls_arrivals_while_the_be_batch_runs_to_its_boundary_join_one_prefill(second_ms, mode):
+    """Two LS arrivals before the boundary at 10 ms (together, or the second while the BE
+    batch runs on to the boundary): one suspension, then one LS prefill of both. Its
+    attention costs 4 ms per sequence: 1 + 2 x (8 + 1 + 4 x 2) + 3 = 38 ms, 10..48 ms; BE
+    resumes at 48 ms for its last 20 ms."""
+    be = Request(0, "BE", 0.0, prompt_tokens=8, output_tokens=1)
+    ls1 = Request(1, "LS", 9 * MS, prompt_tokens=8, output_tokens=1)
+    ls2 = Request(2, "LS", second_ms * MS, prompt_tokens=8, output_tokens=1)
+    result, sched, _ = simulate([be, ls1, ls2], QLLM(), hand_profile(), mode, EveryExpert)
+    assert sched.cursors == [5]
+    be_seq, *ls_seqs = sorted(result.sequences, key=lambda s: s.id)
+    assert [s.first_token_s for s in ls_seqs] == pytest.approx([48 * MS, 48 * MS])
+    assert be_seq.finish_s == pytest.approx(68 * MS)
+
+
+def test_simulation_options():
+    requests = [Request(i, "BE", 0.0, 8, 2) for i in range(3)]
+    finished = []
+    latency = LatencyModel(hand_profile(), EveryExpert(2, 4, 4))
+    sim = Simulation(requests, Scheduler(QLLM(), 10_000), latency, on_finish=finished.append)
+    result = sim.run()
+    assert finished == result.sequences and all(s.done for s in finished)
+    assert result.trace == []  # recorded only when asked
+    with pytest.raises(ValueError, match=r"^mode must be lookup or step, not 'every'$"):
+        Simulation(requests, Scheduler(QLLM(), 10_000), latency, mode="every")
+
+
+@pytest.mark.parametrize("policy_cls", [FCFS, IterationFCFS, Priority])
+def test_policies_without_preemption_never_ask_for_the_processor(policy_cls):
+    s = Scheduler(policy_cls(), 10_000)
+    s.arrive(Request(0, "BE", 0.0, 8, 4), 0)
+    s.next_batch(0)
+    s.arrive(Request(1, "LS", 0.0, 8, 4), 0)
+    assert not s.preemptible and not s.should_preempt()
