@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies import Phase, Request, Scheduler
+from policies import CapacityError, Phase, Request, Scheduler
 from policies.core import Batch, Sequence
 from policies.fcfs import FCFS
 from policies.iteration import IterationFCFS
@@ -51,7 +51,7 @@ def test_requests_and_batches_reject_what_cannot_run():
     with pytest.raises(ValueError, match="request 5: prompt and output"):
         Request(5, "LS", 0.0, 1, 0)
     Request(6, "BE", 0.0, 1, 1)  # one token each is enough
-    with pytest.raises(ValueError, match="at least one sequence"):
+    with pytest.raises(ValueError, match="^a batch needs at least one sequence$"):
         Batch([], Phase.PREFILL)
     decode = Sequence(req(7), generated=1)
     with pytest.raises(ValueError, match=r"sequences \[7\] are not in phase prefill"):
@@ -159,3 +159,39 @@ def test_algorithm1_refill_fills_the_last_free_slot_by_default():
     b = step(s)  # refill_be is on unless switched off
     assert b.phase is Phase.PREFILL and ids(b) == [1]
     assert LayerPreemptive().refill_be and QLLM().refill_be
+
+
+# ----------------------------------------------------------------------- scheduler
+def test_scheduler_starts_empty_and_charges_nothing_by_default():
+    s = Scheduler(QLLM(), kv_capacity_tokens=15)
+    assert (s.kv_used_tokens, s.peak_kv_used_tokens, s.iterations, s.preemptions) == (0, 0, 0, 0)
+    s.arrive(req(0, prompt=10, out=5), 0)  # needs exactly the capacity: admitted
+    with pytest.raises(CapacityError, match="^request 1 needs 16 KV tokens, more than the "
+                                            "capacity of 15$"):  # fmt: skip
+        s.arrive(req(1, prompt=11, out=5), 0)
+    s.next_batch(0)
+    s.preempt(0)  # no activation charge unless one is configured
+    assert s.kv_used_tokens == 15
+
+
+def test_scheduler_enforces_the_executor_contract():
+    s = Scheduler(QLLM(), kv_capacity_tokens=100)
+    with pytest.raises(RuntimeError, match="^no batch is running$"):
+        s.preempt(0)
+    with pytest.raises(RuntimeError, match="^no batch is running$"):
+        s.complete_iteration(0)
+    s.arrive(req(0), 0)
+    s.next_batch(0)
+    with pytest.raises(RuntimeError, match="^next_batch called while a batch is running$"):
+        s.next_batch(0)
+
+
+def test_a_completed_iteration_resets_the_cursor_and_counts_once():
+    s = Scheduler(QLLM(), kv_capacity_tokens=100)
+    s.arrive(req(0, out=1), 0)
+    batch = s.next_batch(0)
+    batch.cursor, batch.plan = 9, "stage state"
+    finished = s.complete_iteration(1.5)
+    assert (batch.cursor, batch.plan) == (0, None)
+    assert [q.id for q in finished] == [0] and finished[0].finish_s == 1.5
+    assert s.iterations == 1 and s.kv_used_tokens == 0

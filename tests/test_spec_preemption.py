@@ -328,6 +328,10 @@ def test_simulation_options():
     result = sim.run()
     assert finished == result.sequences and all(s.done for s in finished)
     assert result.trace == []  # recorded only when asked
+    # one prefill of all three (attention 3 x 4 ms a layer): 1 + 2 x (12 + 1 + 8) + 3 = 46 ms,
+    # then one decode of all three (decode attention 4 ms): 30 ms
+    assert result.makespan_s == pytest.approx(76 * MS) and result.iterations == 2
+    assert 0 <= result.wall_s < 60
     with pytest.raises(ValueError, match=r"^mode must be lookup or step, not 'every'$"):
         Simulation(requests, Scheduler(QLLM(), 10_000), latency, mode="every")
 
