@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint format reproduce validate bench clean test-tf517 gpu-bundle gpu-check-dry
+.PHONY: venv demo test lint format reproduce validate bench mutation clean test-tf517 gpu-bundle \
+	gpu-check-dry
 
 venv: $(STAMP)
 
@@ -43,8 +44,15 @@ format: venv
 bench: venv
 	$(BIN)/python benchmarks/sim_speed.py
 
+# Mutation testing of policies/ and sim/{engine,latency,metrics}.py (mutmut; settings in
+# pyproject.toml): each mutant runs the fast tests that cover its function. Prints the score per
+# file and the survivors. Slow (see README, "Mutation testing"); not part of `make test`.
+mutation: venv
+	env -u PYTHONPATH $(BIN)/mutmut run --max-children 2
+	env -u PYTHONPATH $(BIN)/python benchmarks/mutation_score.py
+
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache .cache gpu/bundle
+	rm -rf $(VENV) outputs multirun mutants .pytest_cache .ruff_cache .cache gpu/bundle
 
 # --- The GPU machine (an H200 with transformers 5.17.0, no registry): see README, "GPU check".
 # transformers 5.17.0 (the GPU machine's) in an ignored target dir, ahead of the venv's newer one;

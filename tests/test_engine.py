@@ -202,12 +202,42 @@ def test_events_do_not_grow_with_layers_and_experts():
         assert result.events <= bound
 
 
+class ChargeRecorder(Scheduler):
+    """Records KV used around every preemption and resumption."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.charges, self.releases = [], []  # (KV change, tokens in flight)
+
+    def preempt(self, now):
+        before, tokens = self.kv_used_tokens, self.running.new_tokens
+        batch = super().preempt(now)
+        self.charges.append((self.kv_used_tokens - before, tokens))
+        return batch
+
+    def next_batch(self, now):
+        before, suspended = self.kv_used_tokens, list(self.suspended)
+        batch = super().next_batch(now)
+        if batch is not None and batch in suspended:
+            self.releases.append((self.kv_used_tokens - before, batch.new_tokens))
+        return batch
+
+
 def test_kv_capacity_is_enforced_and_suspended_state_is_charged():
-    requests = poisson_requests(200, rate=20, seed=11, max_prompt=200, max_output=60)
+    # rate 8: memory binds (peak = capacity) and LS arrivals still find BE-only batches
+    requests = poisson_requests(200, rate=8, seed=11, max_prompt=200, max_output=60)
     capacity = 1200
-    result, _ = run(requests, QLLM(max_batch_size=16), linear_profile(), capacity=capacity)
-    assert result.peak_kv_used_tokens <= capacity
+    m = linear_profile().model
+    latency = LatencyModel(linear_profile(), RoutingModel(m.num_layers, m.num_experts, m.top_k))
+    sched = ChargeRecorder(QLLM(max_batch_size=16), capacity, activation_tokens_per_token=0.125)
+    result = Simulation(requests, sched, latency).run()
+    assert result.peak_kv_used_tokens == capacity
     assert all(s.finish_s is not None for s in result.sequences)
+    # a suspended batch holds ceil(0.125 x its tokens in flight) until it resumes
+    assert len(sched.charges) == result.preemptions >= 5
+    assert all(kv == -(-tokens // 8) for kv, tokens in sched.charges)
+    assert sorted(sched.releases) == sorted((-kv, tokens) for kv, tokens in sched.charges)
+    assert sched.kv_used_tokens == 0
 
 
 def test_request_larger_than_kv_cache_is_rejected_with_its_id():

@@ -67,6 +67,13 @@ def test_iteration_prefill_respects_token_budget_and_batch_size():
     for i in range(5):
         s.arrive(req(i, prompt=10), 0)
     assert ids(step(s)) == [0, 1]  # 30 tokens would exceed 25
+    # with a budget for all five, the batch-size limit of 3 stops the prefill
+    s3 = Scheduler(IterationFCFS(max_batch_size=3, max_batch_prefill_tokens=1000), 100_000)
+    for i in range(7):
+        s3.arrive(req(i, prompt=10), 0)
+    assert ids(step(s3)) == [0, 1, 2]
+    b = step(s3)  # the batch is full: the other four wait while it decodes
+    assert b.phase is Phase.DECODE and ids(b) == [0, 1, 2]
     # oversized prompt alone is admitted, so it cannot block the queue forever
     s2 = Scheduler(IterationFCFS(max_batch_prefill_tokens=25), 100_000)
     s2.arrive(req(0, prompt=100), 0)

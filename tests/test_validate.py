@@ -1,5 +1,6 @@
 """qllm-validate on a small case: profiles tiny-mixtral, runs the real engine and the
-simulator on the same requests, and writes finite sim-vs-real records and a plot."""
+simulator on the same requests, and writes finite, self-consistent sim-vs-real records and a
+plot."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
-def test_small_validation_writes_finite_records_and_a_plot(tmp_path, restore_threads):
+def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, restore_threads):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("validate", overrides=[*SMALL, f"out_dir={tmp_path}", "name=small"])
         records, out = run_validation(cfg)
@@ -57,7 +58,8 @@ def test_small_validation_writes_finite_records_and_a_plot(tmp_path, restore_thr
     for r in records:
         assert set(r) == keys and r["cls"] in CLASSES
         assert math.isfinite(r["sim"]) and math.isfinite(r["real"]) and r["real"] > 0
-        assert math.isfinite(r["error_pct"])
+        # no bound on the error itself: wall-clock timings on a shared CPU vary too much
+        assert r["error_pct"] == pytest.approx(100 * (r["sim"] - r["real"]) / r["real"])
     for policy in ("fcfs", "qllm"):
         for rate in rates:
             got = {(r["cls"], r["metric"]) for r in records

@@ -21,8 +21,9 @@ from sim.workloads.tokenizer import count_tokens
 TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "splitwise_conv.csv"
 DEFAULT_LIMITS = {"min_tokens": 4, "max_prompt_tokens": 1024, "max_total_tokens": 2048}
 
-# Measured with Mixtral's tokenizer on the packaged (truncated) file. ARCHITECTURE.md's 9,785
-# pairs (111 / 320 tokens) count repeated prompts; each distinct prompt is kept once here.
+# Measured with Mixtral's tokenizer on the packaged (truncated) file: ARCHITECTURE.md's 9,785
+# pairs (111 / 320 tokens). A prompt that recurs stays one pair per occurrence (a separate job,
+# as in vLLM's benchmark), so the pool holds fewer distinct texts than pairs.
 SHAREGPT_PAIRS, SHAREGPT_PROMPT_MEAN, SHAREGPT_OUTPUT_MEAN = 9785, 111.1, 320.5
 
 
