@@ -158,3 +158,26 @@ def test_diurnal_rate_curve_has_the_asked_peak_to_trough_and_keeps_the_mean():
     peak = counts[11:13].mean()  # the peak is at noon
     assert 2.6 < peak / trough < 3.4
     assert abs(len(day[day < 86_400]) / 86_400 - 2.0) < 0.05  # the same mean rate over a day
+
+
+def test_plan_runs_its_search_on_a_local_ray_with_the_same_result(tmp_path):
+    """qllm-plan --executor ray (a throwaway local Ray instance, about 20 s to start) finds
+    the capacities the process pool finds: the runs are deterministic."""
+    import subprocess
+    import sys
+
+    common = ["--replicas", "1", "2", "--policies", "qllm", "--rate-lo", "0.5", "--rel-tol",
+              "0.2", "--horizon-s", "30", "--min-requests", "30", "--goodput", "0.9",
+              "workload=synthetic", "workload.output.tokens=16",
+              "workload.prompt.tokens=64"]  # fmt: skip
+    plans = {}
+    for executor, jobs in (("ray", "2"), ("process", "1")):
+        out = tmp_path / executor
+        r = subprocess.run([sys.executable, "-m", "sim.plan", "--executor", executor, "--jobs",
+                            jobs, "--out", str(out), *common], capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        plans[executor] = [(row["replicas"], row["max_rate"])
+                           for row in csv.DictReader((out / "plan.csv").open())]  # fmt: skip
+    assert plans["ray"] == plans["process"]
+    assert all(float(rate) > 0 for _, rate in plans["ray"])
