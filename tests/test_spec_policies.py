@@ -36,7 +36,7 @@ def decoding(policy, *requests, capacity=100_000):
     for r in requests:
         s.arrive(r, 0)
         s.waiting[r.cls].remove(seq := s.waiting[r.cls][-1])
-        s._reserve(seq.reserved_tokens)
+        s.memory.admit(seq)
         seq.generated = 1
         s.ready[r.cls].append(seq)
     return s
@@ -67,7 +67,7 @@ def test_batch_repr_lists_at_most_six_ids():
 
 @pytest.mark.parametrize("policy_cls", [FCFS, IterationFCFS, Priority, LayerPreemptive, QLLM])
 def test_batch_limits_are_validated(policy_cls):
-    with pytest.raises(ValueError, match="^max_batch_size must be >= 1$"):
+    with pytest.raises(ValueError, match="^max_batch_size=0: must be an integer >= 1"):
         policy_cls(max_batch_size=0)
     with pytest.raises(ValueError, match="^max_batch_prefill_tokens must be >= 1$"):
         policy_cls(max_batch_prefill_tokens=0)
