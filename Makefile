@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 demo: venv
 	$(BIN)/python -m sim.demo
 
-# The paper's experiment and what lies beyond it -> results/paper/ (about 40 s on 2 idle cores).
+# The paper's experiment and what lies beyond it -> results/paper/ (about 4.5 minutes on 2 idle cores).
 reproduce: venv
 	$(BIN)/python -m sim.reproduce
 
