@@ -75,7 +75,6 @@ class Algorithm1(Policy):
         self.max_in_flight = cap("max_in_flight", max_in_flight)
         self.be_max_wait_s = be_max_wait_s
         self.evict_be_for_ls = evict_be_for_ls
-        self.last_token_s: dict[int, float] = {}  # unfinished sequence id -> its last token
         self.promoted: set[int] = set()  # overdue BE ids served as LS until their next token
 
     # ------------------------------------------------------------------------------ selection
@@ -162,7 +161,7 @@ class Algorithm1(Policy):
 
     # ------------------------------------------------------------------- starvation guard
     def _waiting_since(self, q: Sequence) -> float:
-        return self.last_token_s.get(q.id, q.request.arrival_s)
+        return q.last_token_s if q.last_token_s is not None else q.request.arrival_s
 
     def _overdue(self, seqs: list[Sequence], now: float) -> bool:
         limit = self.be_max_wait_s
@@ -177,9 +176,5 @@ class Algorithm1(Policy):
         return batch.has_ls or any(q.id in self.promoted for q in batch.sequences)
 
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
-        for q in batch.sequences:
-            self.promoted.discard(q.id)
-            if q.done:
-                self.last_token_s.pop(q.id, None)
-            else:
-                self.last_token_s[q.id] = now
+        if self.promoted:  # a promotion lasts until the sequence's next token
+            self.promoted.difference_update(q.id for q in batch.sequences)
