@@ -19,7 +19,7 @@ import simpy
 from policies.core import LS, Request
 from policies.core import Sequence as Seq
 from policies.scheduler import Scheduler
-from sim.engine import SimResult, Simulation
+from sim.engine import SimResult, Simulation, replay
 
 
 class Router:
@@ -152,17 +152,15 @@ class Cluster:
 
         return record
 
+    def _place(self, req: Request) -> None:
+        i = self.router.choose(self.scheds, req)
+        self.replica_of[req.id] = i
+        self.replicas[i].admit(req)
+        self.timeline.append((self.env.now, i, self.scheds[i].in_system))
+
     def _arrivals(self):
-        env = self.env
-        for req in self.requests:
-            delay = req.arrival_s - env.now
-            if delay > 0:
-                yield env.timeout(delay)
-                self.events += 1
-            i = self.router.choose(self.scheds, req)
-            self.replica_of[req.id] = i
-            self.replicas[i].admit(req)
-            self.timeline.append((env.now, i, self.scheds[i].in_system))
+        waited = yield from replay(self.env, self.requests, self._place)
+        self.events += waited
         for rep in self.replicas:
             rep.close_arrivals()
 

@@ -22,6 +22,19 @@ from policies.scheduler import Scheduler
 from sim.latency import LatencyModel
 
 
+def replay(env: simpy.Environment, requests: Sequence[Request], admit: Callable[[Request], None]):
+    """A SimPy process body: each request, in order, goes to ``admit`` at its arrival time.
+    Returns the number of timeouts it waited (simulated events)."""
+    events = 0
+    for req in requests:
+        delay = req.arrival_s - env.now
+        if delay > 0:
+            yield env.timeout(delay)
+            events += 1
+        admit(req)
+    return events
+
+
 @dataclass
 class SimResult:
     sequences: list[Seq]
@@ -64,13 +77,8 @@ class Simulation:
 
     # ------------------------------------------------------------------------------ processes
     def _arrivals(self):
-        env = self.env
-        for req in self.requests:
-            delay = req.arrival_s - env.now
-            if delay > 0:
-                yield env.timeout(delay)
-                self.events += 1
-            self.admit(req)
+        waited = yield from replay(self.env, self.requests, self.admit)
+        self.events += waited  # after the wait: the executor counts into it meanwhile
         self.close_arrivals()
 
     def admit(self, req: Request) -> None:
