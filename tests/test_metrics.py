@@ -243,3 +243,52 @@ def test_the_real_engine_fills_the_token_gaps():
     result = RealEngine(requests, prompts, sched, ModelRunner(model), VirtualClock(1e-3)).run()
     check_gaps(result.sequences)
     assert sum(len(q.token_gaps_s) for q in result.sequences) > 0
+
+
+def test_outputs_reports_the_executor_figures_and_arrivals_as_given():
+    df, s = outputs(hand_made(), MAKESPAN_S, events=17, wall_s=0.5, slo=slo())
+    assert s["executor"] == {"events": 17, "wall_s": 0.5}
+    assert s["arrived"] == len(df) == len(ROWS)
+    assert s["completed"] == int(df["finish_s"].notna().sum()) < len(ROWS)
+    assert s["makespan_s"] == MAKESPAN_S
+    assert [s["classes"][c]["recomputes"] for c in (LS, BE, "all")] == [0, 0, 0]
+
+
+def test_steady_window_is_open_at_its_start_and_closed_at_its_end():
+    import pandas as pd
+
+    from sim.metrics import steady_jobs_per_s
+
+    # 10 arrivals at 0..9 s: the window is (arrival 1, arrival 9] = (1, 9], 8 s long. Finishes
+    # exactly at 1 (out), at 9 (in) and at 5 (in); the rest never finish.
+    finish = [1.0, 9.0, 5.0] + [math.nan] * 7
+    df = pd.DataFrame({"arrival_s": [float(i) for i in range(10)], "finish_s": finish})
+    assert steady_jobs_per_s(df) == pytest.approx(2 / 8)
+    one = pd.DataFrame({"arrival_s": [3.0], "finish_s": [4.0]})
+    assert steady_jobs_per_s(one) is None  # a single arrival spans no window
+    assert steady_jobs_per_s(df.iloc[:0]) is None
+
+
+def test_write_outputs_writes_every_table_and_the_summary_last_and_whole(tmp_path):
+    import json
+
+    import pandas as pd
+
+    from sim.metrics import write_outputs
+
+    df, s = outputs(hand_made(), MAKESPAN_S, events=3, wall_s=0.1, slo=slo())
+    extra = pd.DataFrame({"t_s": [0.0, 1.0], "replica": [0, 0], "in_system": [1, 0]})
+    run_dir = tmp_path / "a" / "run"  # parents are made
+    write_outputs(run_dir, df, s, {"replicas": extra})
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "replicas.parquet",
+        "requests.parquet",
+        "summary.json",
+    ]  # no temporary file left
+    pd.testing.assert_frame_equal(pd.read_parquet(run_dir / "requests.parquet"), df)
+    pd.testing.assert_frame_equal(pd.read_parquet(run_dir / "replicas.parquet"), extra)
+    text = (run_dir / "summary.json").read_text()
+    assert json.loads(text) == json.loads(json.dumps(s))
+    assert text.endswith("}\n") and text.startswith('{\n  "classes"')  # indented, one per line
+    write_outputs(run_dir, df, s)  # a rewrite replaces the summary whole
+    assert json.loads((run_dir / "summary.json").read_text()) == json.loads(json.dumps(s))
