@@ -64,7 +64,10 @@ def evaluate(task: tuple) -> dict:
     out = simulate(cfg)
     classes = out.summary["classes"]
     ls = classes["LS"]["ttft_s"]["p99"]
-    goodput = classes["all"].get("goodput", classes["all"]["slo_attainment"])
+    goodput = classes["all"]["goodput"]
+    if goodput is None:  # a target no run can meet would report a capacity of 0 without a word
+        raise UserError("--goodput: no request of this workload has an SLO (LS requests with "
+                        "slo.ls_ttft_s, or set slo.be_ttft_s)")  # fmt: skip
     return {"policy": policy, "router": router, "replicas": replicas, "rate": rate,
             "seed": seed, "num_requests": n, "setup": " ".join(overrides),
             "ls_ttft_p99_s": ls, "goodput": goodput,
@@ -311,6 +314,7 @@ def main(argv=None) -> int:
         run_searches(searches, targets, args.seeds, args.horizon_s, args.min_requests,
                      args.overrides, cache, pool, progress)  # fmt: skip
     except UserError as e:
+        bar.close()
         print(f"qllm-plan: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -329,7 +333,9 @@ def main(argv=None) -> int:
     frontier_figure(rows, out / "frontier.png", args.target_rate)
     print(f"{'policy':>10s} {'router':>18s} {'replicas':>8s} {'max req/s':>10s}")
     for r in rows:
-        print(f"{r['policy']:>10s} {r['router']:>18s} {r['replicas']:>8d} {r['max_rate']:>10.3f}")
+        # a search whose first rate already failed knows only an upper bound
+        shown = f"{r['max_rate']:.3f}" if r["max_rate"] else f"< {r['bracket_hi']:g}"
+        print(f"{r['policy']:>10s} {r['router']:>18s} {r['replicas']:>8d} {shown:>10s}")
     if args.target_rate:
         print(f"\nfewest replicas for {args.target_rate:g} req/s:")
         for p, rt in dict.fromkeys((r["policy"], r["router"]) for r in rows):

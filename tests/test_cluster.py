@@ -181,3 +181,14 @@ def test_plan_runs_its_search_on_a_local_ray_with_the_same_result(tmp_path):
                            for row in csv.DictReader((out / "plan.csv").open())]  # fmt: skip
     assert plans["ray"] == plans["process"]
     assert all(float(rate) > 0 for _, rate in plans["ray"])
+
+
+def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_path, capsys):
+    import sim.plan as plan
+
+    code = plan.main(["--replicas", "1", "--policies", "qllm", "--jobs", "1", "--horizon-s", "5",
+                      "--min-requests", "10", "--out", str(tmp_path), "workload=synthetic",
+                      "workload.ls_fraction=0", "workload.output.tokens=4"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("qllm-plan: error: --goodput: no request"), err
