@@ -3,8 +3,11 @@ rate a cluster sustains within the SLO targets, found by bisection over the rate
 target rate, the fewest replicas that sustain it.
 
 A rate is *sustained* when, for every seed, a run of ``max(min_requests, rate x horizon_s)``
-arrivals meets every target: LS TTFT p99 <= ``--ls-ttft-p99-s`` and goodput (the fraction of
-requests meeting every SLO that is set) >= ``--goodput``. The search brackets the capacity by
+arrivals meets every target: LS TTFT p99 <= ``--ls-ttft-p99-s``, goodput (the fraction of
+requests meeting every SLO that is set) >= ``--goodput``, and the cluster keeps up: its
+steady-state completions per second (README, Outputs) are at least ``--keeps-up`` times the
+arrival rate, so that BE work without an SLO cannot pile up unseen. The search brackets the
+capacity by
 doubling from ``--rate-lo``, then bisects until the bracket is within ``--rel-tol``; it assumes
 that a cluster that sustains a rate sustains every lower one. All searches advance together:
 the runs of one step (every search's next rate x seeds) go to a pool of processes (``--jobs``),
@@ -33,17 +36,19 @@ from pathlib import Path
 from sim.config import UserError
 
 FIELDS = ["policy", "router", "replicas", "rate", "seed", "num_requests", "setup",
-          "ls_ttft_p99_s", "goodput", "jobs_per_s", "ok"]  # fmt: skip
+          "ls_ttft_p99_s", "goodput", "keeps_up", "jobs_per_s", "ok"]  # fmt: skip
 
 
 @dataclass
 class Targets:
     ls_ttft_p99_s: float
     goodput: float
+    keeps_up: float
 
-    def met(self, ls_ttft_p99_s: float | None, goodput: float | None) -> bool:
-        ttft_ok = ls_ttft_p99_s is None or ls_ttft_p99_s <= self.ls_ttft_p99_s
-        return ttft_ok and goodput is not None and goodput >= self.goodput
+    def met(self, row: dict) -> bool:
+        ls, goodput, keeps_up = (_float(row[k]) for k in ("ls_ttft_p99_s", "goodput", "keeps_up"))
+        ttft_ok = ls is None or ls <= self.ls_ttft_p99_s
+        return ttft_ok and goodput >= self.goodput and keeps_up >= self.keeps_up
 
 
 def evaluate(task: tuple) -> dict:
@@ -68,9 +73,15 @@ def evaluate(task: tuple) -> dict:
     if goodput is None:  # a target no run can meet would report a capacity of 0 without a word
         raise UserError("--goodput: no request of this workload has an SLO (LS requests with "
                         "slo.ls_ttft_s, or set slo.be_ttft_s)")  # fmt: skip
+    # A policy that keeps LS within its SLO can let BE work pile up without bound: a sustained
+    # rate must also be completed, i.e. the steady-state completions keep up with arrivals.
+    arrivals = out.requests["arrival_s"]
+    span = float(arrivals.max() - arrivals.min())
+    steady = out.summary["throughput"]["steady_jobs_per_s"]
+    keeps_up = (steady or 0.0) / ((len(arrivals) - 1) / span) if span > 0 else 1.0
     return {"policy": policy, "router": router, "replicas": replicas, "rate": rate,
             "seed": seed, "num_requests": n, "setup": " ".join(overrides),
-            "ls_ttft_p99_s": ls, "goodput": goodput,
+            "ls_ttft_p99_s": ls, "goodput": goodput, "keeps_up": keeps_up,
             "jobs_per_s": out.summary["throughput"]["jobs_per_s"]}  # fmt: skip
 
 
@@ -176,11 +187,11 @@ def run_searches(searches: list[Search], targets: Targets, seeds: list[int], hor
                             for seed in seeds]  # fmt: skip
         todo = [t for ts in tasks.values() for t in ts if cache.get(t) is None]
         for row in pool(evaluate, todo):
-            row["ok"] = targets.met(row["ls_ttft_p99_s"], row["goodput"])
+            row["ok"] = targets.met(row)
             cache.add(row)
         for s in active:
             rows = [cache.get(t) for t in tasks[id(s)]]
-            ok = all(targets.met(_float(r["ls_ttft_p99_s"]), _float(r["goodput"])) for r in rows)
+            ok = all(targets.met(r) for r in rows)
             s.record(tasks[id(s)][0][3], ok)
         if progress:
             progress(searches)
@@ -262,6 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--routers", nargs="+", default=["least_outstanding"])
     ap.add_argument("--ls-ttft-p99-s", type=float, default=3.0)
     ap.add_argument("--goodput", type=float, default=0.99)
+    ap.add_argument("--keeps-up", type=float, default=0.8,
+                    help="steady-state completions per arrival at least this (a backlog that "
+                    "grows without bound is not sustained)")  # fmt: skip
     ap.add_argument("--target-rate", type=float, default=None,
                     help="also report the fewest replicas that sustain this rate")  # fmt: skip
     ap.add_argument("--rate-lo", type=float, default=0.25, help="first rate per replica")
@@ -296,7 +310,7 @@ def main(argv=None) -> int:
     out = args.out or Path("results/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True, exist_ok=True)
     cache = Evaluations(out / "evaluations.csv")
-    targets = Targets(args.ls_ttft_p99_s, args.goodput)
+    targets = Targets(args.ls_ttft_p99_s, args.goodput, args.keeps_up)
     searches = [Search(p, r, n, args.rate_lo * n, args.rel_tol)
                 for p in args.policies for r in args.routers for n in sorted(args.replicas)
                 if not (r == "ls_dedicated" and n < 2)]  # fmt: skip

@@ -120,7 +120,7 @@ def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monke
 
     args = ["--replicas", "1", "2", "--policies", "qllm", "--rate-lo", "0.5",
             "--rel-tol", "0.1", "--horizon-s", "40", "--min-requests", "40", "--jobs", "1",
-            "--goodput", "0.9", "--out", str(tmp_path), "workload=synthetic",
+            "--goodput", "0.9", "--keeps-up", "0.5", "--out", str(tmp_path), "workload=synthetic",
             "workload.output.tokens=16", "workload.prompt.tokens=64"]  # fmt: skip
     assert plan.main(args) == 0
     rows = list(csv.DictReader((tmp_path / "plan.csv").open()))
@@ -135,6 +135,18 @@ def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monke
     monkeypatch.setattr(plan, "evaluate", no_new_runs)
     assert plan.main(args) == 0  # every evaluation is reused
     assert len(list(csv.DictReader((tmp_path / "evaluations.csv").open()))) == runs
+
+
+def test_a_rate_whose_backlog_grows_is_not_sustained_even_when_every_slo_is_met():
+    from sim.plan import Targets
+
+    targets = Targets(ls_ttft_p99_s=3.0, goodput=0.99, keeps_up=0.8)
+    fine = {"ls_ttft_p99_s": "0.4", "goodput": "1.0", "keeps_up": "0.97"}
+    assert targets.met(fine)
+    assert not targets.met({**fine, "keeps_up": "0.5"})  # BE work (no SLO) piles up
+    assert not targets.met({**fine, "ls_ttft_p99_s": "3.5"})
+    assert not targets.met({**fine, "goodput": "0.9"})
+    assert targets.met({**fine, "ls_ttft_p99_s": ""})  # no LS request: no LS target to miss
 
 
 def test_plan_refuses_a_bad_override_in_one_line(tmp_path, capsys):
