@@ -81,3 +81,15 @@ def pytest_make_collect_report(collector):
     report = (yield).get_result()
     if _in_ci() and report.skipped:  # a whole module skipped (importorskip at module level)
         _as_failure(report, collector.nodeid)
+
+
+def step(s, now=0.0):
+    """Run the scheduler's next batch through one whole iteration at ``now``; return it."""
+    batch = s.next_batch(now)
+    assert batch is not None
+    s.complete_iteration(now)
+    return batch
+
+
+def ids(batch):
+    return [q.id for q in batch.sequences]

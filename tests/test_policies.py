@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import ids, step
 
 from policies import Phase, Request, Scheduler
 from policies.alg1 import Algorithm1
@@ -15,17 +16,6 @@ from policies.qllm import QLLM
 
 def req(i, cls="BE", t=None, prompt=10, out=5):
     return Request(i, cls, float(i) if t is None else t, prompt, out)
-
-
-def step(s: Scheduler, now=0.0):
-    batch = s.next_batch(now)
-    assert batch is not None
-    s.complete_iteration(now)
-    return batch
-
-
-def ids(batch):
-    return [q.id for q in batch.sequences]
 
 
 def test_fcfs_runs_a_static_batch_to_completion_before_admitting():

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from conftest import linear_profile
+from conftest import ids, linear_profile, step
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -29,17 +29,6 @@ ALG1_FAMILY = [Algorithm1, LayerPreemptive, QLLM]
 
 def req(i, cls=BE, t=0.0, prompt=10, out=100):
     return Request(i, cls, t, prompt, out)
-
-
-def step(s: Scheduler, now=0.0):
-    batch = s.next_batch(now)
-    assert batch is not None
-    s.complete_iteration(now)
-    return batch
-
-
-def ids(batch):
-    return [q.id for q in batch.sequences]
 
 
 def drive(policy, requests, iteration_s=1.0, capacity=1_000_000):

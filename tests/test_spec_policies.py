@@ -5,6 +5,7 @@ docstring (TGI's router, vLLM's priority policy, the paper's Algorithm 1)."""
 from __future__ import annotations
 
 import pytest
+from conftest import ids, step
 
 from policies import CapacityError, Phase, Request, Scheduler
 from policies.core import Batch, Sequence
@@ -17,17 +18,6 @@ from policies.qllm import QLLM
 
 def req(i, cls="BE", prompt=10, out=5, t=None):
     return Request(i, cls, float(i) if t is None else t, prompt, out)
-
-
-def step(s: Scheduler, now=0.0):
-    batch = s.next_batch(now)
-    assert batch is not None
-    s.complete_iteration(now)
-    return batch
-
-
-def ids(batch):
-    return [q.id for q in batch.sequences]
 
 
 def decoding(policy, *requests, capacity=100_000):
