@@ -7,23 +7,27 @@
 # Steps, each under its own time limit and all under one deadline (QLLM_CHECK_BUDGET_S, 470 s):
 #   env        nvidia-smi, versions                                       -> env.json
 #   smoke      tokens equal generate in float64 on CUDA, two families, bf16 -> smoke.json
-#   validate   Mixtral-8x7B shape (random bf16 weights) profiled on a reduced grid, then
-#              sim vs real (iteration, qllm; 32 synthetic requests; utilization 0.7, 1.4)
-#                                                                          -> validation.json
+#   validate   Mixtral-8x7B shape (random bf16 weights) profiled on a reduced grid (wake-up
+#              cost included), then sim vs real (iteration, qllm; 24 synthetic requests;
+#              utilization 0.6, 2, 6; two real replays each), per-iteration errors
+#                                            -> validation.json, iteration_errors.json
 #   compare    the measured profile op by op against the analytic h200-mixtral-bf16
 #                                                                          -> profile_compare.json
 #   preemption LS arrival to its first operation per policy, Mixtral shape -> preemption.json
 #   pytest_gpu pytest -m gpu
 # After every step: $OUT/steps.jsonl (one line per step: rc, seconds), the step's JSON, and
 # $OUT/check.tar.gz (all logs, the profile, everything written so far), so a timeout still
-# returns the earlier steps. At most 8 files come back from $OUT: these are 7.
+# returns the earlier steps. At most 8 files come back from $OUT: these are 8.
 #
+# QLLM_CHECK_STEPS="env validate" runs only the steps named (default: all), for a rerun of one
+# step in what is left of a device lease.
 # QLLM_CHECK_DRY=1 (make gpu-check-dry): the same steps on the CPU with tiny-mixtral and small
 # grids, the GPU machine's missing packages hidden (gpu/dry/sitecustomize.py).
 set -u -o pipefail
 : "${OUT:?set OUT to the folder whose files come back}"
 PY=${PYTHON:-python3}
 DRY=${QLLM_CHECK_DRY:-0}
+STEPS=" ${QLLM_CHECK_STEPS:-env smoke validate compare preemption pytest_gpu} "
 START_S=$(date +%s)
 DEADLINE_S=$((START_S + ${QLLM_CHECK_BUDGET_S:-470}))
 WORK=$(mktemp -d)
@@ -50,6 +54,7 @@ pack() {  # everything so far into $OUT, replaced atomically
 step() {  # step NAME LIMIT_S JSON_FILE CMD...: run CMD under its limit, log to $R/NAME.log
   local name=$1 limit_s=$2 json=$3
   shift 3
+  if [[ $STEPS != *" $name "* ]]; then return 0; fi
   local left_s=$((DEADLINE_S - $(date +%s)))
   ((limit_s > left_s)) && limit_s=$left_s
   local t0_ns rc
@@ -74,7 +79,8 @@ step() {  # step NAME LIMIT_S JSON_FILE CMD...: run CMD under its limit, log to 
 
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu MODEL=tiny-mixtral NAME=tiny-mixtral-dry
-  VALIDATE_ARGS=(threads=1 workload.num_requests=8 utilizations=[1.0]
+  VALIDATE_ARGS=(threads=1 workload.num_requests=8 utilizations=[1.0] replays=2
+    profile.wake.idle_ms=[5,50] profile.wake.repeats=1
     workload.prompt.tokens=16 workload.prompt.max=32 workload.output.tokens=4 workload.output.max=6
     profile.grid.prefill_tokens=[8,32] profile.grid.decode_batch=[1,4] profile.grid.decode_kv=[16,40]
     profile.grid.expert_tokens=[1,4,16,64] profile.repeats=2 profile.warmup=1
@@ -84,18 +90,19 @@ if [ "$DRY" = 1 ]; then
   LIMITS=(30 120 150 30 60 90)
 else
   DEVICE=cuda MODEL=mixtral-8x7b NAME=mixtral-8x7b-h200
-  # Lengths of a chat-like mix, cut to fit: 32 requests, outputs ~16 tokens. Loads 0.7 and 1.4
-  # (of a one-request-at-a-time server) keep the GPU busy: an idle H200 clocks down to 345 MHz.
-  VALIDATE_ARGS=(threads=null workload.num_requests=32 utilizations=[0.7,1.4]
+  # Lengths of a chat-like mix, cut to fit: 24 requests, outputs ~16 tokens. Loads 0.6, 2 and 6
+  # (of a one-request-at-a-time server): light (an idle H200 clocks down to 345 MHz: the
+  # profile's wake_up), near the knee, overloaded; two real replays per point.
+  VALIDATE_ARGS=(threads=null workload.num_requests=24 utilizations=[0.6,2.0,6.0] replays=2
     workload.prompt.tokens=128 workload.prompt.sigma=0.6 workload.prompt.min=16 workload.prompt.max=512
     workload.output.tokens=16 workload.output.sigma=0.5 workload.output.min=4 workload.output.max=48
     max_prompt_tokens=512
     profile.grid.prefill_tokens=[16,64,128,256,512] profile.grid.decode_batch=[1,4,8,16,32]
     profile.grid.decode_kv=[128,512]
     profile.grid.expert_tokens=[1,2,4,8,16,32,64,128,256,512,1024]
-    profile.repeats=10 profile.warmup=2 profile.routing.prompts=8 profile.routing.prompt_tokens=128)
+    profile.repeats=6 profile.warmup=2 profile.routing.prompts=8 profile.routing.prompt_tokens=128)
   PREEMPTION_ARGS=(--be 8 --be-prompt 128 --be-output 100 --ls 12 --ls-rate 5 --ls-after-s 0.5)
-  LIMITS=(30 90 240 30 110 90)
+  LIMITS=(30 90 360 30 110 90)
 fi
 
 step env "${LIMITS[0]}" env.json bash -c \
@@ -104,6 +111,7 @@ step smoke "${LIMITS[1]}" smoke.json $PY -m gpu.smoke --device "$DEVICE" --json 
 step validate "${LIMITS[2]}" "$NAME/validation.json" $PY -m realrun.validate model="$MODEL" device="$DEVICE" \
   name="$NAME" out_dir="$R" policies=[iteration,qllm] workload=synthetic \
   workload.ls_fraction=0.3 progress=false "${VALIDATE_ARGS[@]}"
+if [ -f "$R/$NAME/iteration_errors.json" ]; then cp "$R/$NAME/iteration_errors.json" "$OUT/"; fi
 step compare "${LIMITS[3]}" profile_compare.json $PY -m sim.compare_profiles "$R/$NAME/profile" \
   h200-mixtral-bf16 --json "$R/profile_compare.json"
 step preemption "${LIMITS[4]}" preemption.json $PY benchmarks/preemption_latency.py \

@@ -15,7 +15,13 @@ than inside an iteration, where the rest of the model streamed through the cache
   the simulator adds per-stage medians, and this term makes them add up to the measured mean
   iteration, which is what mean TTFT and turnaround are made of);
 - every expert stage of both gives a sample of ``expert(n)``, n its queue size; samples are
-  pooled in bins around ``grid.expert_tokens`` (a point per bin: median n, median time).
+  pooled in bins around ``grid.expert_tokens`` (a point per bin: median n, median time);
+- ``wake_up(idle_ms)``: for each idle time of ``wake.idle_ms``, ``wake.repeats`` times: a
+  decode step of one sequence repeated back to back (the warm time of ``WAKE_STEPS`` steps),
+  then the device left idle that long, then the same steps again; the wake-up is the median
+  excess of the second run over the first, wall clock (the device synchronised after each
+  step, as the engine reads its tokens). A CPU's cores and a GPU's clocks slow down when idle
+  (an idle H200 drops to 345 MHz): the first iterations after a gap run slower.
 
 Each iteration runs ``warmup`` + ``repeats`` times (the sequences rewound in between), after
 one untimed prefill and decode step at the grid's largest shapes; attention and router samples
@@ -50,6 +56,8 @@ GRID_KEYS = ("prefill_tokens", "decode_batch", "decode_kv", "expert_tokens")
 # CPU clocks: wall time, or this process's CPU time (steady on a shared machine; it equals the
 # wall time of an uncontended run only with one torch thread).
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+# Decode steps timed per wake-up sample: the slow-down after an idle gap lasts a few steps.
+WAKE_STEPS = 4
 # Share of free device memory the KV cache may take (the rest: activations, allocator slack).
 KV_MEMORY_SHARE = 0.9
 
@@ -70,6 +78,8 @@ class Settings:
     routing_prompts: int = 8
     routing_prompt_tokens: int = 64
     seed: int = 0
+    wake_idle_ms: tuple[int, ...] = (2, 10, 50, 200, 1000)  # empty: no wake_up op
+    wake_repeats: int = 3
 
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:
@@ -83,6 +93,10 @@ class Settings:
             routing_prompt_tokens=int(routing["prompt_tokens"]),
             seed=int(cfg["seed"]),
         )
+        wake = cfg.get("wake")
+        if wake is not None:
+            out.wake_idle_ms = tuple(sorted({int(x) for x in wake["idle_ms"]}))
+            out.wake_repeats = int(wake["repeats"])
         out.validate()
         return out
 
@@ -97,6 +111,8 @@ class Settings:
             raise SettingsError(f"clock={self.clock}: expected one of {', '.join(CLOCKS)}")
         if self.routing_prompts < 1 or self.routing_prompt_tokens < 1:
             raise SettingsError("routing.prompts and routing.prompt_tokens must be >= 1")
+        if self.wake_idle_ms and (min(self.wake_idle_ms) < 1 or self.wake_repeats < 1):
+            raise SettingsError("wake.idle_ms must be integers >= 1 and wake.repeats >= 1")
 
     @property
     def num_iterations(self) -> int:
@@ -249,7 +265,39 @@ class Profiler:
                 self.decode(b, kv)
                 bar.update()
         bar.close()
-        return self.table()
+        return self.table() + self.wake_points()
+
+    def _steps_s(self, seqs: list[KVSequence], steps: int) -> float:
+        """Wall seconds of ``steps`` decode steps, the sequences rewound after each."""
+        runner = self.runner
+        marks = [(len(s.token_ids), s.num_cached) for s in seqs]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.run(runner.begin(seqs))  # returns the tokens: the device has finished
+            for s, (n, c) in zip(seqs, marks, strict=True):
+                s.truncate(n, c)
+        return time.perf_counter() - t0
+
+    def wake_points(self) -> list[OpPoint]:
+        """``wake_up`` at each idle time (module docstring); none when wake.idle_ms is empty."""
+        s = self.settings
+        if not s.wake_idle_ms:
+            return []
+        seqs = self.prompts([min(s.decode_kv)])
+        self.runner.run(self.runner.begin(seqs))  # the prefill: one token left to feed
+        self._steps_s(seqs, WAKE_STEPS)  # warm
+        excess: dict[int, list[float]] = defaultdict(list)
+        for _ in range(s.wake_repeats):  # the idle times interleaved: drifts hit them alike
+            for idle_ms in s.wake_idle_ms:
+                warm_s = self._steps_s(seqs, WAKE_STEPS)
+                time.sleep(idle_ms / 1e3)
+                excess[idle_ms].append(self._steps_s(seqs, WAKE_STEPS) - warm_s)
+        points = [OpPoint("wake_up", idle_ms=0)]
+        for idle_ms, samples in sorted(excess.items()):
+            med, p90 = summarize([1e3 * x for x in samples])
+            points.append(OpPoint("wake_up", median_ms=max(med, 0.0), p90_ms=max(p90, 0.0),
+                                  idle_ms=idle_ms))  # fmt: skip
+        return points
 
     def table(self) -> list[OpPoint]:
         pts = []

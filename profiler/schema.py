@@ -34,7 +34,9 @@ loader warn about it in one line.
 ``ops.csv``: one row per measured point, times in milliseconds for ONE layer (the executor
 multiplies per-layer ops by the number of layers)::
 
-    op,batch_size,num_tokens,kv_tokens,median_ms,p90_ms
+    op,batch_size,num_tokens,kv_tokens,median_ms,p90_ms,idle_ms
+
+(``idle_ms`` came with schema version 2; a version-1 file has no such column and reads as 0.)
 
 ========================  =============================  ==================================
 op                        key columns (others are 0)     what was timed
@@ -70,6 +72,12 @@ op                        key columns (others are 0)     what was timed
                                                          of num_tokens new tokens, once per
                                                          resume, for the whole model (not per
                                                          layer); absent: preemption is free
+``wake_up``               idle_ms                        optional: the extra time of the
+                                                         first iterations after the device
+                                                         sat idle for idle_ms (clocks down,
+                                                         caches cold), whole model, charged
+                                                         once before the next batch; idle_ms
+                                                         = 0 is 0 by definition; absent: none
 ========================  =============================  ==================================
 
 Optional ops may have no points; every other op needs at least one.
@@ -83,7 +91,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no idle_ms column
 OPS: dict[str, tuple[str, ...]] = {
     "attn_prefill": ("num_tokens",),
     "attn_decode": ("batch_size", "kv_tokens"),
@@ -93,8 +102,9 @@ OPS: dict[str, tuple[str, ...]] = {
     "step_overhead": ("batch_size",),
     "attn_prefill_batch": ("batch_size", "num_tokens"),
     "preempt_switch": ("num_tokens",),
+    "wake_up": ("idle_ms",),
 }
-OPTIONAL_OPS = frozenset({"attn_prefill_batch", "preempt_switch"})
+OPTIONAL_OPS = frozenset({"attn_prefill_batch", "preempt_switch", "wake_up"})
 PREFILL_ATTENTION = ("per_prompt", "batched")
 # Ops whose samples repeat one shape (all layers of a few identical iterations). Expert points
 # pool different queue sizes and step_overhead is one residual per shape: their spread is not
@@ -106,7 +116,8 @@ REPEATED_OPS = ("attn_prefill", "attn_decode", "router", "lm_head")
 # at a load of ~10 a threads=1 profile reached 2.7x (process clock) and 50x (wall clock), and
 # with all threads some stages came out 1,600x slower.
 NOISY_SPREAD = 2.0
-COLUMNS = ("op", "batch_size", "num_tokens", "kv_tokens", "median_ms", "p90_ms")
+COLUMNS = ("op", "batch_size", "num_tokens", "kv_tokens", "median_ms", "p90_ms", "idle_ms")
+COLUMNS_V1 = COLUMNS[:-1]
 META_FILE = "profile.json"
 OPS_FILE = "ops.csv"
 
@@ -123,6 +134,7 @@ class OpPoint:
     kv_tokens: int = 0
     median_ms: float = 0.0
     p90_ms: float = 0.0
+    idle_ms: int = 0
 
     def key(self) -> tuple[int, ...]:
         return tuple(getattr(self, k) for k in OPS[self.op])
@@ -282,7 +294,7 @@ class Profile:
             w.writerow(COLUMNS)
             for p in sorted(self.points, key=lambda p: (p.op, p.key())):
                 w.writerow([p.op, p.batch_size, p.num_tokens, p.kv_tokens,
-                            f"{p.median_ms:.6g}", f"{p.p90_ms:.6g}"])  # fmt: skip
+                            f"{p.median_ms:.6g}", f"{p.p90_ms:.6g}", p.idle_ms])  # fmt: skip
         return directory
 
     @classmethod
@@ -296,16 +308,18 @@ class Profile:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:
             raise ProfileError(f"{meta_path}: not valid JSON ({e.msg}, line {e.lineno})") from None
-        if meta.get("schema_version") != SCHEMA_VERSION:
+        version = meta.get("schema_version")
+        if version not in READABLE_VERSIONS:
             raise ProfileError(
-                f"{meta_path}: schema_version {meta.get('schema_version')!r}, "
-                f"expected {SCHEMA_VERSION}"
+                f"{meta_path}: schema_version {version!r}, expected one of "
+                f"{list(READABLE_VERSIONS)}"
             )
+        columns = COLUMNS if version == SCHEMA_VERSION else COLUMNS_V1
         points = []
         with open(ops_path, newline="") as f:
             reader = csv.DictReader(f)
-            if tuple(reader.fieldnames or ()) != COLUMNS:
-                raise ProfileError(f"{ops_path}: header must be {','.join(COLUMNS)}")
+            if tuple(reader.fieldnames or ()) != columns:
+                raise ProfileError(f"{ops_path}: header must be {','.join(columns)}")
             for lineno, row in enumerate(reader, start=2):
                 try:
                     points.append(
@@ -316,6 +330,7 @@ class Profile:
                             kv_tokens=int(row["kv_tokens"]),
                             median_ms=float(row["median_ms"]),
                             p90_ms=float(row["p90_ms"]),
+                            idle_ms=int(row.get("idle_ms") or 0),
                         )
                     )
                 except (TypeError, ValueError):

@@ -18,6 +18,11 @@ latency model:
 
 On CUDA, stage boundaries are host times: kernels run asynchronously, and the host waits for
 the device only where the runner reads results back (each router's queue sizes, the tokens).
+
+Every executed segment of an iteration (from its start or resume to its end or preemption) is
+recorded in ``RealResult.segments`` with the batch's shape when its iteration was planned and
+the idle time before it, so that ``qllm-validate`` can set each measured duration beside the
+latency model's prediction for that very batch.
 """
 
 from __future__ import annotations
@@ -36,6 +41,29 @@ from sim.latency import preemptible_boundaries
 
 
 @dataclass
+class Segment:
+    """One executed segment of an iteration, as the engine measured it.
+
+    ``shape`` is one (phase, new_tokens, context_tokens) per sequence, taken when the iteration
+    was planned (a resumed segment carries its iteration's shape); ``idle_s`` is the time the
+    engine had nothing to run just before the segment (0 when it came straight after another)."""
+
+    batch: int
+    phase: str
+    shape: list[tuple[str, int, int]]
+    start_cursor: int
+    end_cursor: int
+    start_s: float
+    end_s: float
+    idle_s: float
+    preempted: bool
+
+    @property
+    def measured_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
 class RealResult:
     sequences: list[Seq]
     tokens: dict[int, list[int]]  # request id -> generated token ids
@@ -45,6 +73,7 @@ class RealResult:
     iterations: int
     preemptions: int
     peak_kv_used_tokens: int
+    segments: list[Segment]
 
 
 class RealEngine:
@@ -74,6 +103,10 @@ class RealEngine:
         self.sequences: list[Seq] = []
         self.tokens: dict[int, list[int]] = {}
         self.stages = 0
+        self.segments: list[Segment] = []
+        self._shapes: dict[int, list[tuple[str, int, int]]] = {}  # batch id -> planned shape
+        # when the engine last ran out of work (the clock's start); None while it has work
+        self._idle_since: float | None = 0.0
         self._next = 0  # index of the next request to arrive
 
     # ----------------------------------------------------------------------------- arrivals
@@ -101,6 +134,8 @@ class RealEngine:
             self._admit(clock.now())
             batch = sched.next_batch(clock.now())
             if batch is None:
+                if self._idle_since is None:
+                    self._idle_since = clock.now()
                 if self._arrivals_done:
                     if sched.in_system:
                         raise RuntimeError(f"scheduler stalled with {sched.in_system} requests")
@@ -117,6 +152,7 @@ class RealEngine:
             iterations=sched.iterations,
             preemptions=sched.preemptions,
             peak_kv_used_tokens=sched.peak_kv_used_tokens,
+            segments=self.segments,
         )
 
     def _execute(self, batch: Batch) -> None:
@@ -134,8 +170,11 @@ class RealEngine:
                     kv = self.kv[seq.id]
                     kv.truncate(len(kv.token_ids), 0)
             state = batch.plan = runner.begin([self.kv[s.id] for s in batch.sequences])
+            self._shapes[batch.id] = [(s.phase.value, s.new_tokens, s.context_tokens)
+                                      for s in batch.sequences]  # fmt: skip
         stage_trace = trace is not None and trace.stages
         start = now = clock.now()
+        start_cursor = state.cursor
         stages = 0
         while not state.done:
             ref = runner.step(state)
@@ -155,11 +194,14 @@ class RealEngine:
                 batch.cursor = state.cursor
                 if sched.should_preempt():
                     self.stages += stages
+                    self._record(batch, start_cursor, state.cursor, start, now, True)
                     sched.preempt(now)
                     if trace is not None:
                         trace.segment(batch, start, now, preempted=True)
                     return
         self.stages += stages
+        self._record(batch, start_cursor, state.cursor, start, now, False)
+        self._shapes.pop(batch.id, None)
         if trace is not None:
             trace.segment(batch, start, now, preempted=False)
         for seq in sched.complete_iteration(now):
@@ -168,3 +210,11 @@ class RealEngine:
                 trace.request(seq)
             if self.on_finish is not None:
                 self.on_finish(seq)
+
+    def _record(self, batch: Batch, start_cursor: int, end_cursor: int, start_s: float,
+                end_s: float, preempted: bool) -> None:  # fmt: skip
+        idle_s = max(start_s - self._idle_since, 0.0) if self._idle_since is not None else 0.0
+        self._idle_since = None  # busy until the scheduler next has nothing to run
+        self.segments.append(Segment(batch.id, batch.phase.value, self._shapes[batch.id],
+                                     start_cursor, end_cursor, start_s, end_s, idle_s,
+                                     preempted))  # fmt: skip

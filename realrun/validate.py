@@ -5,14 +5,22 @@
 2. Choose the rates: ``rate = utilization / S1``, S1 the time the profile predicts for serving
    the workload's mean request alone (its prefill and its decode steps at batch 1).
 3. At each rate, build the request list once (prompts cut, token ids drawn) and, for each
-   policy, replay it through the real engine (wall clock) and the simulator
-   (``sim.run.simulate`` reading the fresh profile, routing from its measured expert load).
-   Both get their scheduler from ``sim.run.build_scheduler`` with the same profile, so they
-   differ only in how time passes.
-4. Write ``<out_dir>/<name>/validation.json``, a list of records ``{policy, rate, cls,
-   metric, sim, real, error_pct}`` (error_pct = 100 (sim - real) / real) for ttft_mean and
-   turnaround_mean per class (LS, BE, all) and throughput_jobs (all), ``validation.png``
-   (sim against real), the profile and the resolved config, and print a table.
+   policy, replay it ``replays`` times through the real engine (wall clock) and once through
+   the simulator (``sim.run.simulate`` reading the fresh profile, routing from its measured
+   expert load; it is deterministic). Both get their scheduler from
+   ``sim.run.build_scheduler`` with the same profile, so they differ only in how time passes.
+4. Write ``<out_dir>/<name>/validation.json``, a list of records ``{policy, rate, load, cls,
+   metric, sim, real, error_pct, replays, real_min, real_max, real_cv_pct}`` for ttft_mean and
+   turnaround_mean per class (LS, BE, all) and throughput_jobs (all): ``real`` is the mean
+   over the replays, ``real_min``/``real_max``/``real_cv_pct`` their spread (the real engine's
+   own noise floor), error_pct = 100 (sim - real) / real. Also ``validation.png`` (sim
+   against real, the replays' range as error bars), the profile and the resolved config.
+5. Per-iteration error: every executed segment of every real run (``RealResult.segments``)
+   beside the latency model's prediction for that very batch (the mean over routing draws of
+   the plan's time from the segment's start cursor to its end, plus the resume switch and the
+   wake-up after an idle gap that the simulator charges): ``iterations.csv`` (one row per
+   segment) and ``iteration_errors.json`` (the error by phase, batch size, context and
+   segment kind), printed as a second table.
 """
 
 from __future__ import annotations
@@ -23,11 +31,12 @@ import statistics
 from pathlib import Path
 
 import hydra
+import pandas as pd
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from policies.core import BE, LS, Batch, Request, Sequence
+from policies.core import BE, LS, Batch, Phase, Request, Sequence
 from realrun.config import ValidateConfig, validate_engine, validate_shared
 from sim.app import CONF_DIR  # registers the simulator's schema (base_config) that it composes
 from sim.cli import App, fail, run
@@ -36,6 +45,7 @@ from sim.config import UserError
 PROG = "qllm-validate"
 CLASSES = (LS, BE, "all")
 METRICS = {"ttft_mean": "ttft_s", "turnaround_mean": "turnaround_s"}
+PREDICTION_DRAWS = 8  # routing draws averaged per predicted segment
 
 ConfigStore.instance().store(name="validate_schema", node=ValidateConfig)
 
@@ -46,6 +56,8 @@ def check(cfg: DictConfig) -> None:
         raise UserError(f"utilizations={list(cfg.utilizations)}: need values > 0")
     if not cfg.policies:
         raise UserError("policies=[]: name at least one policy")
+    if cfg.replays < 1:
+        raise UserError(f"replays={cfg.replays}: must be >= 1")
     known = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
     for name in cfg.policies:
         if name not in known:
@@ -98,25 +110,137 @@ def solo_service_s(latency, prompt_tokens: int, output_tokens: int, draws: int =
     return total
 
 
-def records_of(policy: str, rate: float, real: dict, sim: dict) -> list[dict]:
+def load_label(utilization: float, utilizations: list[float]) -> str:
+    """light / knee / overload for three or more levels (lowest, middle ones, highest)."""
+    ordered = sorted(utilizations)
+    if len(ordered) < 3:
+        return "light" if utilization == ordered[0] else "loaded"
+    if utilization == ordered[0]:
+        return "light"
+    return "overload" if utilization == ordered[-1] else "knee"
+
+
+def records_of(policy: str, rate: float, load: str, reals: list[dict], sim: dict) -> list[dict]:
+    """Sim against the mean of the real replays, with the replays' spread."""
     rows = []
 
-    def add(cls: str, metric: str, s: float | None, r: float | None) -> None:
+    def add(cls: str, metric: str, s: float | None, values: list[float | None]) -> None:
         s = math.nan if s is None else s
-        r = math.nan if r is None else r
+        values = [math.nan if v is None else v for v in values]
+        r = statistics.fmean(values)
         err = 100 * (s - r) / r if r else math.nan
-        rows.append({"policy": policy, "rate": rate, "cls": cls, "metric": metric, "sim": s,
-                     "real": r, "error_pct": err})  # fmt: skip
+        cv = 100 * statistics.pstdev(values) / r if r and len(values) > 1 else 0.0
+        rows.append({"policy": policy, "rate": rate, "load": load, "cls": cls, "metric": metric,
+                     "sim": s, "real": r, "error_pct": err, "replays": len(values),
+                     "real_min": min(values), "real_max": max(values),
+                     "real_cv_pct": cv})  # fmt: skip
 
     for cls in CLASSES:
-        if real["classes"][cls]["count"] == 0:
+        if reals[0]["classes"][cls]["count"] == 0:
             continue
         for metric, key in METRICS.items():
-            s, r = sim["classes"][cls][key]["mean"], real["classes"][cls][key]["mean"]
-            add(cls, metric, s, r)
+            add(cls, metric, sim["classes"][cls][key]["mean"],
+                [real["classes"][cls][key]["mean"] for real in reals])  # fmt: skip
     add("all", "throughput_jobs", sim["throughput"]["jobs_per_s"],
-        real["throughput"]["jobs_per_s"])  # fmt: skip
+        [real["throughput"]["jobs_per_s"] for real in reals])  # fmt: skip
     return rows
+
+
+def shape_batch(phase: str, shape: list[tuple[str, int, int]]) -> Batch:
+    """A batch with the recorded (phase, new_tokens, context_tokens) of each sequence."""
+    seqs = []
+    for i, (seq_phase, new, context) in enumerate(shape):
+        if seq_phase == Phase.PREFILL.value:  # new = its prompt (+ tokens to recompute)
+            seqs.append(Sequence(Request(i, BE, 0.0, new, 2)))
+        else:  # one token on a cache of `context`: the context, then one generated token
+            seq = Sequence(Request(i, BE, 0.0, max(context, 1), 2))
+            seq.generated = 1
+            seqs.append(seq)
+    return Batch(seqs, Phase(phase))
+
+
+def predict_segment(latency, segment, draws: int = PREDICTION_DRAWS) -> tuple[float, float]:
+    """(predicted seconds, of which wake-up) of a recorded segment, as the simulator charges
+    it: the plan's time from the start to the end cursor (mean over routing draws), the
+    switch of a resumed batch, and the wake-up after the idle time before it."""
+    batch = shape_batch(segment.phase, segment.shape)
+    run_s = statistics.fmean(
+        (plan := latency.plan(batch)).offset(segment.end_cursor) - plan.offset(segment.start_cursor)
+        for _ in range(draws)
+    )
+    if segment.start_cursor:
+        batch.cursor = segment.start_cursor
+        run_s += latency.switch_s(batch)
+    wake_s = latency.wake_s(segment.idle_s)
+    return run_s + wake_s, wake_s
+
+
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096)
+
+
+def bucket(value: int, edges: tuple[int, ...]) -> str:
+    """'<=e' for the first edge e >= value, '>last' beyond."""
+    for edge in edges:
+        if value <= edge:
+            return f"<={edge}"
+    return f">{edges[-1]}"
+
+
+def iteration_rows(policy: str, rate: float, replay: int, segments, latency) -> list[dict]:
+    rows = []
+    for seg in segments:
+        predicted_s, wake_s = predict_segment(latency, seg)
+        measured_s = seg.measured_s
+        phase_tokens = (sum(n for _, n, _ in seg.shape) if seg.phase == Phase.PREFILL.value
+                        else max(c for _, _, c in seg.shape))  # fmt: skip
+        kind = "preempted" if seg.preempted else "resumed" if seg.start_cursor else "whole"
+        rows.append({"policy": policy, "rate": rate, "replay": replay, "batch": seg.batch,
+                     "phase": seg.phase, "size": len(seg.shape), "tokens": phase_tokens,
+                     "start_cursor": seg.start_cursor, "end_cursor": seg.end_cursor,
+                     "kind": kind, "idle_s": seg.idle_s, "measured_s": measured_s,
+                     "predicted_s": predicted_s, "wake_s": wake_s,
+                     "error_pct": 100 * (predicted_s - measured_s) / measured_s
+                     if measured_s > 0 else math.nan})  # fmt: skip
+    return rows
+
+
+def iteration_errors(rows: list[dict]) -> list[dict]:
+    """The per-iteration error by group: phase x batch size, phase x tokens (prefill: prompt
+    tokens; decode: longest context), segment kind, and whether an idle gap came before.
+    ``time_error_pct`` compares the group's summed predicted and measured time (what a run's
+    makespan sees); ``median_error_pct`` is the typical iteration's."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        keys = [("all", "all"), (f"{r['phase']} size", bucket(r["size"], SIZE_BUCKETS)),
+                (f"{r['phase']} tokens", bucket(r["tokens"], TOKEN_BUCKETS)),
+                ("segment", r["kind"]),
+                ("after idle", "yes" if r["idle_s"] > 1e-3 else "no")]  # fmt: skip
+        for key in keys:
+            groups.setdefault(key, []).append(r)
+    out = []
+    for (by, value), members in groups.items():
+        errors = sorted(m["error_pct"] for m in members if math.isfinite(m["error_pct"]))
+        if not errors:
+            continue
+        measured = sum(m["measured_s"] for m in members)
+        predicted = sum(m["predicted_s"] for m in members)
+        out.append({"by": by, "value": value, "n": len(members),
+                    "median_error_pct": statistics.median(errors),
+                    "p10_error_pct": errors[int(0.1 * (len(errors) - 1))],
+                    "p90_error_pct": errors[int(0.9 * (len(errors) - 1))],
+                    "time_error_pct": 100 * (predicted - measured) / measured,
+                    "measured_ms_median": 1e3 * statistics.median(m["measured_s"]
+                                                                  for m in members)})  # fmt: skip
+    order = {"all": 0, "segment": 3, "after idle": 4}
+    out.sort(key=lambda g: (order.get(g["by"], 1 if g["by"].startswith("prefill") else 2),
+                            g["by"], _bucket_key(g["value"])))  # fmt: skip
+    return out
+
+
+def _bucket_key(value: str) -> tuple[int, str]:
+    digits = "".join(ch for ch in value if ch.isdigit())
+    return (int(digits) + (value.startswith(">")) if digits else 0, value)
 
 
 def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
@@ -148,28 +272,69 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     if cfg.warmup:
         largest_batch = max(sim.policy.max_batch_size for sim in sims.values())
         warm_up(runner, max(r.prompt_tokens for r in nominal), min(largest_batch, len(nominal)))
-    records = []
-    cases = [(rate, policy) for rate in rates for policy in cfg.policies]
-    for rate, policy in tqdm(cases, desc="validating", unit="run", disable=not cfg.progress):
+    records, rows = [], []
+    cases = [(u, rate, policy) for u, rate in zip(cfg.utilizations, rates, strict=True)
+             for policy in cfg.policies]  # fmt: skip
+    bar = tqdm(total=len(cases) * cfg.replays, desc="validating", unit="run",
+               disable=not cfg.progress)  # fmt: skip
+    for u, rate, policy in cases:
         workload = OmegaConf.merge(cfg.workload, {"rate": rate})
         requests, prompts = prepare_requests(cfg, runner, build_workload(workload, cfg.seed))
         sim_cfg = sims[policy]
-        real = execute(requests, prompts, build_scheduler(sim_cfg, profile), runner, cfg.slo,
-                       WallClock())  # fmt: skip
+        predictor = build_latency(sim_cfg, profile)
+        reals = []
+        for replay in range(cfg.replays):
+            real = execute(requests, prompts, build_scheduler(sim_cfg, profile), runner,
+                           cfg.slo, WallClock())  # fmt: skip
+            reals.append(real.summary)
+            rows += iteration_rows(policy, rate, replay, real.result.segments, predictor)
+            bar.update()
         sim = simulate(sim_cfg, requests=requests)
-        records += records_of(policy, rate, real.summary, sim.summary)
+        records += records_of(policy, rate, load_label(u, cfg.utilizations), reals, sim.summary)
+    bar.close()
     (out / "validation.json").write_text(json.dumps(records, indent=1) + "\n")
+    errors = iteration_errors(rows)
+    (out / "iteration_errors.json").write_text(json.dumps(errors, indent=1) + "\n")
+    pd.DataFrame(rows).to_csv(out / "iterations.csv", index=False, float_format="%.6g")
     plot(records, out / "validation.png")
     return records, out
 
 
 def table(records: list[dict]) -> str:
-    lines = [f"{'policy':<10} {'rate':>7} {'cls':<4} {'metric':<16} {'sim':>10} {'real':>10} "
-             f"{'error%':>8}"]  # fmt: skip
+    lines = [f"{'policy':<10} {'rate':>7} {'load':<8} {'cls':<4} {'metric':<16} {'sim':>10} "
+             f"{'real':>10} {'error%':>8} {'real cv%':>8} {'real min-max':>17}"]  # fmt: skip
     for r in records:
-        lines.append(f"{r['policy']:<10} {r['rate']:>7g} {r['cls']:<4} {r['metric']:<16} "
-                     f"{r['sim']:>10.4f} {r['real']:>10.4f} {r['error_pct']:>8.1f}")  # fmt: skip
+        lines.append(f"{r['policy']:<10} {r['rate']:>7g} {r['load']:<8} {r['cls']:<4} "
+                     f"{r['metric']:<16} {r['sim']:>10.4f} {r['real']:>10.4f} "
+                     f"{r['error_pct']:>8.1f} {r['real_cv_pct']:>8.1f} "
+                     f"{r['real_min']:>8.4f}-{r['real_max']:<8.4f}")  # fmt: skip
     return "\n".join(lines)
+
+
+def iteration_table(groups: list[dict]) -> str:
+    lines = [f"{'by':<16} {'value':<8} {'n':>6} {'median ms':>10} {'median err%':>11} "
+             f"{'p10-p90 err%':>15} {'time err%':>9}"]  # fmt: skip
+    for g in groups:
+        lines.append(f"{g['by']:<16} {g['value']:<8} {g['n']:>6} {g['measured_ms_median']:>10.3f} "
+                     f"{g['median_error_pct']:>11.1f} "
+                     f"{g['p10_error_pct']:>7.1f}..{g['p90_error_pct']:<6.1f} "
+                     f"{g['time_error_pct']:>9.1f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def summary_line(records: list[dict]) -> str:
+    """The worst and median per-class mean error, and how many points are within 10%."""
+    errors = [abs(r["error_pct"]) for r in records
+              if r["cls"] != "all" and math.isfinite(r["error_pct"])]  # fmt: skip
+    if not errors:
+        return "no per-class means"
+    within = sum(e <= 10 for e in errors)
+    noise = max((r["real_cv_pct"] for r in records), default=0.0)
+    median = statistics.median(errors)
+    return (
+        f"per-class means: worst |error| {max(errors):.1f}%, median {median:.1f}%, "
+        f"{within} of {len(errors)} within 10%; real replays' worst cv {noise:.1f}%"
+    )
 
 
 def plot(records: list[dict], path: Path) -> None:
@@ -187,11 +352,13 @@ def plot(records: list[dict], path: Path) -> None:
         rows = [r for r in records if r["metric"] == metric and math.isfinite(r["sim"])]
         for i, policy in enumerate(policies):
             for cls, marker in markers.items():
-                pts = [(r["real"], r["sim"]) for r in rows if r["policy"] == policy
-                       and r["cls"] == cls]  # fmt: skip
-                if pts:
-                    xs, ys = zip(*pts, strict=True)
-                    ax.scatter(xs, ys, marker=marker, color=f"C{i}", label=f"{policy} {cls}")
+                pts = [r for r in rows if r["policy"] == policy and r["cls"] == cls]
+                if pts:  # horizontal bars: the real replays' min-max
+                    xs, ys = [r["real"] for r in pts], [r["sim"] for r in pts]
+                    xerr = [[r["real"] - r["real_min"] for r in pts],
+                            [r["real_max"] - r["real"] for r in pts]]  # fmt: skip
+                    ax.errorbar(xs, ys, xerr=xerr, fmt=marker, color=f"C{i}", ms=5, lw=0.8,
+                                capsize=2, label=f"{policy} {cls}")  # fmt: skip
         values = [v for r in rows for v in (r["sim"], r["real"]) if v > 0]
         if values:
             lo, hi = min(values) / 1.5, max(values) * 1.5
@@ -216,8 +383,10 @@ def main(cfg: DictConfig) -> None:
     except UserError as e:
         fail(PROG, str(e))
     print(table(records))
-    worst = max((abs(r["error_pct"]) for r in records if r["cls"] != "all"), default=math.nan)
-    print(f"max |error_pct| over per-class means: {worst:.1f}% -> {out / 'validation.json'}")
+    print()
+    print("per-iteration error (predicted - measured) / measured, every executed segment:")
+    print(iteration_table(json.loads((out / "iteration_errors.json").read_text())))
+    print(f"{summary_line(records)} -> {out / 'validation.json'}")
 
 
 def cli() -> None:

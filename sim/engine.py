@@ -72,6 +72,8 @@ class Simulation:
         self.sequences: list[Seq] = []
         self.trace: list[tuple] = []
         self._wakeup: simpy.Event | None = None
+        # since when the executor has had nothing to run (None: busy); it starts idle at 0
+        self._idle_since: float | None = 0.0
         self._interruptible = False
         self._arrivals_done = False
 
@@ -107,6 +109,8 @@ class Simulation:
                     if sched.in_system:
                         raise RuntimeError(f"scheduler stalled with {sched.in_system} requests")
                     return
+                if self._idle_since is None:
+                    self._idle_since = env.now
                 self._wakeup = env.event()
                 yield self._wakeup
                 self._wakeup = None
@@ -115,6 +119,12 @@ class Simulation:
             if batch.plan is None:
                 batch.plan = self.latency.plan(batch)
             start = env.now
+            if self._idle_since is not None:  # the device sat idle: it wakes up first
+                wake_s = self.latency.wake_s(env.now - self._idle_since)
+                self._idle_since = None
+                if wake_s > 0:
+                    yield env.timeout(wake_s)
+                    self.events += 1
             if batch.cursor:  # a suspended batch resumes: its saved state is restored first
                 switch_s = self.latency.switch_s(batch)
                 if switch_s > 0:

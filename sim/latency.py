@@ -8,7 +8,8 @@ An expert that received no token has a zero-length stage. ``Plan.offset(i)`` is 
 which stage i starts (boundary i); a batch's cursor is such a boundary index. Which
 boundaries allow preemption depends on the policy's granularity (``Plan.preemptible``).
 A suspended batch pays ``LatencyModel.switch_s`` (the profile's context-switch cost) when it
-resumes, before the stage at its cursor.
+resumes, before the stage at its cursor; the first batch after an idle stretch pays
+``LatencyModel.wake_s`` (the profile's wake-up cost at that idle time) before it starts.
 """
 
 from __future__ import annotations
@@ -413,6 +414,8 @@ class LatencyModel:
         self.prefill_batched = self.prefill_attention == "batched"
         switch_points = profile.op_points("preempt_switch")
         self.switch = Curve1D(switch_points, "num_tokens") if switch_points else None
+        wake_points = profile.op_points("wake_up")
+        self.wake = Curve1D(wake_points, "idle_ms") if wake_points else None
         self._pools: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def curves(self) -> list[Curve1D | Curve2D]:
@@ -427,6 +430,14 @@ class LatencyModel:
 
     def switch_s(self, batch: Batch) -> float:
         return self.switch.scalar(batch.new_tokens) if self.switch is not None else 0.0
+
+    def wake_s(self, idle_s: float) -> float:
+        """The extra time of the first batch after the device sat idle for ``idle_s``: the
+        profile's ``wake_up`` interpolated in the idle time, held at its last point beyond
+        the grid (a device that has clocked down fully stays down); 0 without that op."""
+        if self.wake is None or idle_s <= 0:
+            return 0.0
+        return self.wake.scalar(min(round(idle_s * 1e3, 3), self.wake.xs[-1]))
 
     def attention_s(self, batch: Batch) -> float:
         if batch.phase is Phase.PREFILL:

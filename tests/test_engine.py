@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from conftest import linear_profile
@@ -14,6 +16,7 @@ from policies.iteration import IterationFCFS
 from policies.layer import LayerPreemptive
 from policies.priority import Priority
 from policies.qllm import QLLM
+from profiler.schema import OpPoint
 from sim.engine import Simulation
 from sim.latency import LatencyModel, RoutingModel
 from sim.metrics import requests_frame
@@ -267,3 +270,23 @@ def test_latency_curves_never_extrapolate_downwards():
         for b, t in ((1, 1.0), (3, 2.0))
     ]
     assert Curve2D(rising)(5, 8) == pytest.approx(3e-3)
+
+
+def test_the_first_batch_after_an_idle_stretch_pays_the_profiles_wake_up():
+    """wake_up 0 ms at 0, 20 ms from 100 ms of idle time on: a request arriving at 5 s on an
+    idle server starts 20 ms late (held at the grid's last point); one arriving at 0 and one
+    arriving while the server is busy run as they would without the op."""
+    base = linear_profile()
+    wake = [OpPoint("wake_up", idle_ms=0), OpPoint("wake_up", median_ms=20.0, idle_ms=100)]
+    woken = replace(base, points=base.points + wake)
+    reqs = [Request(0, "BE", 0.0, 20, 3), Request(1, "BE", 0.001, 20, 3),
+            Request(2, "BE", 5.0, 20, 3)]  # fmt: skip
+    plain = {s.id: s for s in run(reqs, IterationFCFS(), base)[0].sequences}
+    slow = {s.id: s for s in run(reqs, IterationFCFS(), woken)[0].sequences}
+    assert slow[0].first_token_s == plain[0].first_token_s  # idle for 0 s at its arrival
+    assert slow[1].finish_s == plain[1].finish_s  # arrived while the server ran request 0
+    assert slow[2].first_token_s == pytest.approx(plain[2].first_token_s + 0.020, abs=1e-12)
+    assert slow[2].finish_s == pytest.approx(plain[2].finish_s + 0.020, abs=1e-12)
+    latency = LatencyModel(woken)
+    assert latency.wake_s(0.05) == pytest.approx(0.010)  # interpolated
+    assert latency.wake_s(60.0) == pytest.approx(0.020) and latency.wake_s(0.0) == 0.0

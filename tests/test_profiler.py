@@ -36,6 +36,7 @@ SMALL = [
     "repeats=1",
     "routing.prompts=2",
     "routing.prompt_tokens=8",
+    "wake.idle_ms=[]",
     "progress=false",
 ]  # fmt: skip
 
@@ -267,6 +268,44 @@ def test_warm_ups_reach_the_largest_batch_and_prompt(monkeypatch):
     warm_up(runner, prompt_tokens=40, batch_size=6)
     assert (1, 40) in shapes and (6, 6) in shapes  # the longest prefill; a decode of 6
     shapes.clear()
-    settings = Settings([4, 24], [1, 5], [8], [1], warmup=1, repeats=1)
+    settings = Settings([4, 24], [1, 5], [8], [1], warmup=1, repeats=1, wake_idle_ms=())
     Profiler(runner, settings, torch.device("cpu")).points(progress=False)
     assert shapes[:3] == [(1, 24), (5, 40), (5, 5)]  # before any shape of the grid
+
+
+def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypatch):
+    """A device that slows its next steps down by 8 ms once it sat idle 20 ms or more: the
+    profiler measures about 8 ms at 60 ms of idle time and about none at 2 ms, 0 at 0."""
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    run_steps, last = runner.run, [time.perf_counter()]
+
+    def slow_after_idle(state):
+        if time.perf_counter() - last[0] >= 0.02:
+            time.sleep(0.008)
+        out = run_steps(state)
+        last[0] = time.perf_counter()
+        return out
+
+    monkeypatch.setattr(runner, "run", slow_after_idle)
+    settings = Settings([4], [1], [8], [1], wake_idle_ms=(2, 60), wake_repeats=3)
+    points = {p.idle_ms: p for p in Profiler(runner, settings, torch.device("cpu")).wake_points()}
+    assert sorted(points) == [0, 2, 60] and points[0].median_ms == 0
+    assert points[2].median_ms < 4 and 5 < points[60].median_ms < 30
+    assert all(p.op == "wake_up" and p.p90_ms >= p.median_ms for p in points.values())
+
+
+def test_profiles_of_schema_1_load_and_version_2_keeps_the_wake_up(tmp_path):
+    """The shipped profiles are version 1 (no idle_ms column); a saved profile is version 2
+    and round-trips its wake_up points."""
+    v1 = profiles.load("a100-mixtral-nf4-hf")
+    assert v1.op_points("wake_up") == []
+    wake = [OpPoint("wake_up", idle_ms=0), OpPoint("wake_up", median_ms=3.5, p90_ms=4.0,
+                                                   idle_ms=200)]  # fmt: skip
+    saved = replace(v1, points=v1.points + wake).save(tmp_path / "p")
+    assert json.loads((saved / "profile.json").read_text())["schema_version"] == 2
+    assert Profile.load(saved).op_points("wake_up") == wake
+    header = (saved / "ops.csv").read_text().splitlines()[0]
+    assert header.endswith(",idle_ms")
+    (saved / "ops.csv").write_text("op,median_ms\n")
+    with pytest.raises(ValueError, match="header must be"):
+        Profile.load(saved)

@@ -10,9 +10,11 @@ iteration started at t runs boundary c at t + c ms.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 import torch
+from conftest import linear_profile
 from test_spec_preemption import LAYER_BOUNDARIES, CheckingScheduler
 
 from policies.core import BE, LS, Request
@@ -20,9 +22,12 @@ from policies.layer import LayerPreemptive
 from policies.qllm import QLLM
 from profiler.models import build_model
 from profiler.ops import ModelRunner
+from profiler.schema import OpPoint
 from realrun.clock import VirtualClock
 from realrun.engine import RealEngine
 from realrun.prompts import build_prompts
+from realrun.validate import predict_segment, shape_batch
+from sim.latency import LatencyModel
 
 MS = 1e-3
 STAGES = 14
@@ -123,3 +128,44 @@ def test_real_engine_stops_only_where_the_named_policy_may(model, name):
         assert set(sched.cursors) <= set(LAYER_BOUNDARIES)
     else:
         assert set(sched.cursors) - set(LAYER_BOUNDARIES), sched.cursors
+
+
+def test_segments_record_each_executed_stretch_with_its_shape_and_idle_time(model):
+    """The hand-worked qllm case (LS arrives at 4.5 ms, the BE prefill stops at boundary 5)
+    plus a BE request arriving at 100 ms on an idle engine: one segment per executed stretch,
+    with the batch shape at planning time, and the idle time only before the late one."""
+    be = Request(0, BE, 0.0, prompt_tokens=8, output_tokens=2)
+    ls = Request(1, LS, 4.5 * MS, prompt_tokens=4, output_tokens=1)
+    late = Request(2, BE, 100 * MS, prompt_tokens=5, output_tokens=1)
+    result, _ = run(model, [be, ls, late], QLLM())
+    got = [(s.phase, s.shape, s.start_cursor, s.end_cursor, round(s.start_s / MS, 6),
+            round(s.end_s / MS, 6), round(s.idle_s / MS, 6), s.preempted)
+           for s in result.segments]  # fmt: skip
+    assert got == [
+        ("prefill", [("prefill", 8, 0)], 0, 5, 0, 5, 0, True),
+        ("prefill", [("prefill", 4, 0)], 0, 14, 5, 19, 0, False),
+        ("prefill", [("prefill", 8, 0)], 5, 14, 19, 28, 0, False),  # resumed
+        ("decode", [("decode", 1, 8)], 0, 14, 28, 42, 0, False),
+        ("prefill", [("prefill", 5, 0)], 0, 14, 100, 114, 58, False),
+    ]
+    assert sum(s.end_cursor - s.start_cursor for s in result.segments) == result.stages
+
+
+def test_a_segments_prediction_is_the_plans_time_over_its_stretch(model):
+    """Against a profile whose stages all take fixed times (overhead 3, attention 1, router
+    0.2, every expert 0.5, lm_head 2 ms): the prediction of a stretch is the plan's time
+    between its cursors, plus the profile's wake-up after its idle time."""
+
+    base = linear_profile(num_layers=2, num_experts=4, expert_per_token_ms=0.0)
+    extra = [OpPoint("expert", num_tokens=0, median_ms=0.5), OpPoint("wake_up", idle_ms=0),
+             OpPoint("wake_up", median_ms=6.0, idle_ms=100)]  # fmt: skip
+    latency = LatencyModel(replace(base, points=base.points + extra))
+    be = Request(0, BE, 0.0, prompt_tokens=8, output_tokens=2)
+    ls = Request(1, LS, 4.5 * MS, prompt_tokens=4, output_tokens=1)
+    late = Request(2, BE, 100 * MS, prompt_tokens=5, output_tokens=1)
+    result, _ = run(model, [be, ls, late], QLLM())
+    predicted = [round(predict_segment(latency, s)[0] / MS, 9) for s in result.segments]
+    whole = 3 + 2 * (1 + 0.2 + 4 * 0.5) + 2  # 11.4 ms
+    assert predicted == [5.2, whole, round(whole - 5.2, 9), whole, whole + 6.0 * 58 / 100]
+    batch = shape_batch("decode", [("decode", 1, 8), ("decode", 1, 30)])
+    assert [(s.new_tokens, s.context_tokens) for s in batch.sequences] == [(1, 8), (1, 30)]

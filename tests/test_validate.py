@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -33,6 +34,9 @@ SMALL = [
     "profile.grid.decode_kv=[16,80]",
     "profile.warmup=1",
     "profile.repeats=3",
+    "profile.wake.idle_ms=[5,40]",
+    "profile.wake.repeats=1",
+    "replays=2",
     "progress=false",
 ]
 
@@ -54,12 +58,33 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, 
     assert (out / "profile" / "profile.json").is_file()
     rates = sorted({r["rate"] for r in records})
     assert len(rates) == 2 and rates[0] < rates[1]
-    keys = {"policy", "rate", "cls", "metric", "sim", "real", "error_pct"}
+    keys = {"policy", "rate", "load", "cls", "metric", "sim", "real", "error_pct", "replays",
+            "real_min", "real_max", "real_cv_pct"}  # fmt: skip
     for r in records:
         assert set(r) == keys and r["cls"] in CLASSES
         assert math.isfinite(r["sim"]) and math.isfinite(r["real"]) and r["real"] > 0
         # no bound on the error itself: wall-clock timings on a shared CPU vary too much
         assert r["error_pct"] == pytest.approx(100 * (r["sim"] - r["real"]) / r["real"])
+        # the real value is the mean of two replays, which differ (wall clock)
+        assert r["replays"] == 2 and r["real_min"] <= r["real"] <= r["real_max"]
+        assert r["load"] == ("light" if r["rate"] == rates[0] else "loaded")
+    assert any(r["real_min"] < r["real_max"] and r["real_cv_pct"] > 0 for r in records)
+    ops = pd.read_csv(out / "profile" / "ops.csv")
+    assert sorted(ops[ops["op"] == "wake_up"]["idle_ms"]) == [0, 5, 40]
+    # every executed segment of every real run, beside its prediction
+    segments = pd.read_csv(out / "iterations.csv")
+    assert set(segments["replay"]) == {0, 1} and set(segments["policy"]) == {"fcfs", "qllm"}
+    assert (segments["measured_s"] > 0).all() and (segments["predicted_s"] > 0).all()
+    assert segments["error_pct"].to_numpy() == pytest.approx(
+        100 * (segments["predicted_s"] - segments["measured_s"]) / segments["measured_s"],
+        rel=1e-3, abs=1e-3)  # fmt: skip
+    assert {"prefill", "decode"} <= set(segments["phase"])
+    groups = json.loads((out / "iteration_errors.json").read_text())
+    everything = next(g for g in groups if g["by"] == "all")
+    assert everything["n"] == len(segments)
+    assert everything["time_error_pct"] == pytest.approx(
+        100 * (segments["predicted_s"].sum() / segments["measured_s"].sum() - 1), rel=1e-4
+    )
     for policy in ("fcfs", "qllm"):
         for rate in rates:
             got = {(r["cls"], r["metric"]) for r in records
@@ -88,7 +113,8 @@ def test_console_script_prints_the_table(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "error%" in done.stdout and "max |error_pct|" in done.stdout
+    assert "error%" in done.stdout and "per-iteration error" in done.stdout
+    assert "per-class means: worst |error|" in done.stdout
     assert (tmp_path / "tiny-mixtral-cpu" / "validation.json").is_file()
     bad = subprocess.run([script, "policies=[nope]"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "\n" not in bad.stderr.strip(), bad.stderr
