@@ -25,10 +25,14 @@ demo: venv
 reproduce: venv
 	$(BIN)/python -m sim.reproduce
 
-# Simulator vs real engine on this machine -> the curated results/validation/<model>-<device>/
-# (a plain `qllm-validate` writes results/validation-runs/ instead).
+# Simulator vs real engine on this machine, every tiny preset -> the curated
+# results/validation/<model>-<device>/ and results/validation/summary.md (a plain
+# `qllm-validate` writes results/validation-runs/ instead). About 6 minutes per model.
+TINY_MODELS := tiny-mixtral tiny-qwen2-moe tiny-qwen3-moe tiny-olmoe tiny-deepseek-v3
 validate: venv
-	$(BIN)/qllm-validate out_dir=results/validation
+	for m in $(TINY_MODELS); do $(BIN)/qllm-validate model=$$m out_dir=results/validation \
+		progress=false || exit 1; done
+	$(BIN)/python -m realrun.validation_table results/validation | tee results/validation/summary.md
 
 test: venv
 	$(BIN)/ruff check .

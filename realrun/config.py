@@ -71,7 +71,7 @@ class ValidateConfig(EngineConfig):
     policies: list[str] = field(default_factory=lambda: ["fcfs", "iteration", "qllm"])
     # Offered load as the utilization of a server that runs one request at a time: rate =
     # utilization / (profiled time to serve the mean request alone).
-    utilizations: list[float] = field(default_factory=lambda: [0.2, 1.0])
+    utilizations: list[float] = field(default_factory=lambda: [0.3, 1.5, 6.0])
     replays: int = 3  # real runs per point: their spread is the real engine's own noise
     profile: dict[str, Any] = field(default_factory=dict)  # path, or the profiler's settings
     progress: bool = True

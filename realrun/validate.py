@@ -76,8 +76,25 @@ def sim_config(cfg: DictConfig, policy: str, profile_dir: Path) -> DictConfig:
     return sim_cfg
 
 
-def obtain_profile(cfg: DictConfig, runner, info, out: Path):
-    """(profile, its directory): read from ``profile.path``, or measured now into out/profile."""
+def covering_grid(grid: dict, largest_batch: int, longest_prompt: int,
+                  longest_context: int) -> tuple[dict, list[str]]:  # fmt: skip
+    """The profile grid extended to every shape a run can form: decode batches up to the
+    largest a policy can form, prefills up to the longest prompt, contexts up to the longest
+    prompt + output (one point added at each end that falls short; none inside), and the
+    lines saying what was added."""
+    grid, added = dict(grid), []
+    for key, need in (("decode_batch", largest_batch), ("prefill_tokens", longest_prompt),
+                      ("decode_kv", longest_context)):  # fmt: skip
+        values = sorted({int(v) for v in grid[key]})
+        if need > values[-1]:
+            grid[key] = [*values, need]
+            added.append(f"{key} to {need}")
+    return grid, added
+
+
+def obtain_profile(cfg: DictConfig, runner, info, out: Path, cover: tuple[int, int, int]):
+    """(profile, its directory): read from ``profile.path``, or measured now into out/profile
+    on a grid that covers ``cover`` (largest batch, longest prompt, longest context)."""
     from profiler.measure import Settings, SettingsError, profile_model
     from sim import profiles
 
@@ -90,6 +107,9 @@ def obtain_profile(cfg: DictConfig, runner, info, out: Path):
                             f"this model ({info.name})")  # fmt: skip
         return profile, directory
     settings_cfg = {k: v for k, v in OmegaConf.to_container(cfg.profile).items() if k != "path"}
+    settings_cfg["grid"], added = covering_grid(settings_cfg["grid"], *cover)
+    if added:
+        print(f"profile grid extended to cover the runs: {', '.join(added)}")
     try:
         settings = Settings.from_config({**settings_cfg, "seed": cfg.seed})
     except (SettingsError, KeyError) as e:
@@ -256,11 +276,15 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     out = Path(cfg.out_dir) / name
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    profile, profile_dir = obtain_profile(cfg, runner, info, out)
-    sims = {p: sim_config(cfg, p, profile_dir) for p in cfg.policies}
-
     # Lengths and classes do not depend on the rate (separate random streams): measure S1 once.
     nominal, _ = prepare_requests(cfg, runner, build_workload(cfg.workload, seed=cfg.seed))
+    policy_caps = [OmegaConf.load(CONF_DIR / "policy" / f"{p}.yaml").get("max_batch_size")
+                   for p in cfg.policies]  # fmt: skip
+    largest_batch = min(max(cap or len(nominal) for cap in policy_caps), len(nominal))
+    cover = (largest_batch, max(r.prompt_tokens for r in nominal),
+             max(r.prompt_tokens + r.output_tokens for r in nominal))  # fmt: skip
+    profile, profile_dir = obtain_profile(cfg, runner, info, out, cover)
+    sims = {p: sim_config(cfg, p, profile_dir) for p in cfg.policies}
     prompt = statistics.fmean(r.prompt_tokens for r in nominal)
     output = statistics.fmean(r.output_tokens for r in nominal)
     solo_s = solo_service_s(build_latency(sims[cfg.policies[0]], profile),
@@ -270,8 +294,7 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
           f"rates {rates} req/s")  # fmt: skip
 
     if cfg.warmup:
-        largest_batch = max(sim.policy.max_batch_size for sim in sims.values())
-        warm_up(runner, max(r.prompt_tokens for r in nominal), min(largest_batch, len(nominal)))
+        warm_up(runner, cover[1], largest_batch)
     records, rows = [], []
     cases = [(u, rate, policy) for u, rate in zip(cfg.utilizations, rates, strict=True)
              for policy in cfg.policies]  # fmt: skip

@@ -15,7 +15,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from realrun.validate import CLASSES, check, run_validation, table
+from realrun import validation_table
+from realrun.validate import CLASSES, check, covering_grid, records_of, run_validation, table
 from sim.app import CONF_DIR
 from sim.config import UserError
 
@@ -118,3 +119,35 @@ def test_console_script_prints_the_table(tmp_path):
     assert (tmp_path / "tiny-mixtral-cpu" / "validation.json").is_file()
     bad = subprocess.run([script, "policies=[nope]"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "\n" not in bad.stderr.strip(), bad.stderr
+
+
+def test_the_grid_is_extended_to_every_shape_a_run_forms_and_only_at_its_ends():
+    grid = {"prefill_tokens": [8, 64], "decode_batch": [1, 4, 16], "decode_kv": [16, 160],
+            "expert_tokens": [1, 8]}  # fmt: skip
+    got, added = covering_grid(grid, largest_batch=32, longest_prompt=40, longest_context=300)
+    assert got["decode_batch"] == [1, 4, 16, 32] and got["decode_kv"] == [16, 160, 300]
+    assert got["prefill_tokens"] == [8, 64] and got["expert_tokens"] == [1, 8]
+    assert added == ["decode_batch to 32", "decode_kv to 300"]
+    assert covering_grid(grid, 16, 64, 160) == (grid, [])
+
+
+def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
+    summary = {"classes": {c: {"count": 2, "ttft_s": {"mean": 1.0},
+                               "turnaround_s": {"mean": 2.0}} for c in CLASSES},
+               "throughput": {"jobs_per_s": 4.0}}  # fmt: skip
+    real = json.loads(json.dumps(summary))
+    real["classes"]["LS"]["ttft_s"]["mean"] = 1.25  # sim 20% short of the mean of the replays
+    other = json.loads(json.dumps(real))
+    other["classes"]["LS"]["ttft_s"]["mean"] = 1.25 * 1.02
+    for model in ("tiny-a-cpu", "tiny-b-cpu"):
+        records = records_of("qllm", 1.0, "light", [real, other], summary)
+        records += records_of("qllm", 9.0, "overload", [real, real], summary)
+        (tmp_path / model).mkdir()
+        (tmp_path / model / "validation.json").write_text(json.dumps(records))
+    validation_table.main([str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + 4 and lines[2].startswith("| tiny-a-cpu | light | 20.8% |")
+    assert "| 3 of 4 |" in lines[2] and lines[3].startswith("| tiny-a-cpu | overload | 20.0% |")
+    with pytest.raises(SystemExit) as e:
+        validation_table.main([str(tmp_path / "nowhere")])
+    assert e.value.code == 2

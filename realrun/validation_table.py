@@ -1,0 +1,60 @@
+"""``python -m realrun.validation_table DIR``: one markdown table over every validation under
+DIR (``<DIR>/<model>-<device>/validation.json``, as ``make validate`` writes them): per model
+and load level, the worst and median per-class mean error, how many are within 10%, the
+throughput error, and the real engine's own spread (the replays' worst CV)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+LOADS = ("light", "knee", "overload", "loaded")
+
+
+def rows_of(name: str, records: list[dict]) -> list[str]:
+    rows = []
+    loads = sorted({r["load"] for r in records}, key=lambda x: LOADS.index(x) if x in LOADS else 9)
+    for load in loads:
+        point = [r for r in records if r["load"] == load]
+        errors = [abs(r["error_pct"]) for r in point
+                  if r["cls"] != "all" and math.isfinite(r["error_pct"])]  # fmt: skip
+        thr = [r["error_pct"] for r in point if r["metric"] == "throughput_jobs"]
+        cv = max(r["real_cv_pct"] for r in point)
+        within = sum(e <= 10 for e in errors)
+        rows.append(f"| {name} | {load} | {max(errors):.1f}% | {statistics.median(errors):.1f}% "
+                    f"| {within} of {len(errors)} | {min(thr):+.1f}% .. {max(thr):+.1f}% "
+                    f"| {cv:.1f}% |")  # fmt: skip
+    return rows
+
+
+def table(root: Path) -> str:
+    found = sorted(root.glob("*/validation.json"))
+    if not found:
+        raise FileNotFoundError(f"no */validation.json under {root}")
+    lines = ["| model | load | worst per-class error | median | within 10% | throughput error "
+             "| real replays' worst CV |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for path in found:
+        records = json.loads(path.read_text())
+        if not records or "load" not in records[0]:
+            raise ValueError(f"{path}: written by an older qllm-validate (no load field)")
+        lines += rows_of(path.parent.name, records)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m realrun.validation_table")
+    ap.add_argument("dir", nargs="?", default="results/validation")
+    args = ap.parse_args(argv)
+    try:
+        print(table(Path(args.dir)))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
