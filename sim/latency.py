@@ -8,7 +8,9 @@ An expert that received no token has a zero-length stage. ``Plan.offset(i)`` is 
 which stage i starts (boundary i); a batch's cursor is such a boundary index. Which
 boundaries allow preemption depends on the policy's granularity (``Plan.preemptible``).
 A suspended batch pays ``LatencyModel.switch_s`` (the profile's context-switch cost) when it
-resumes, before the stage at its cursor.
+resumes, before the stage at its cursor. KV swapped between host and device for an iteration
+(``Batch.swap_tokens``) is copied before it runs: its time, at the profile's
+``swap_bytes_per_s``, is part of the iteration's first stage.
 """
 
 from __future__ import annotations
@@ -414,6 +416,8 @@ class LatencyModel:
         switch_points = profile.op_points("preempt_switch")
         self.switch = Curve1D(switch_points, "num_tokens") if switch_points else None
         self._pools: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        mem = profile.memory
+        self.swap_s_per_token = mem.kv_bytes_per_token / mem.swap_bytes_per_s
 
     def curves(self) -> list[Curve1D | Curve2D]:
         curves = [self.attn_prefill, self.attn_decode, self.router, self.expert, self.lm_head]
@@ -464,7 +468,7 @@ class LatencyModel:
         tokens = batch.new_tokens
         counts, experts = self.experts(tokens)
         return Plan(
-            overhead_s=self.overhead.scalar(batch.size),
+            overhead_s=self.overhead.scalar(batch.size) + batch.swap_tokens * self.swap_s_per_token,
             attention_s=self.attention_s(batch),
             router_s=self.router.scalar(tokens),
             experts_s=experts,
