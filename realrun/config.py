@@ -103,6 +103,3 @@ def validate_realrun(cfg: Any) -> None:
         raise UserError(f"kv_capacity_tokens={cfg.kv_capacity_tokens}: must be >= 1 or null")
     if cfg.virtual_stage_ms <= 0:
         raise UserError(f"virtual_stage_ms={cfg.virtual_stage_ms}: must be > 0")
-    if cfg.memory.preemption != "recompute":
-        raise UserError(f"memory.preemption={cfg.memory.preemption}: the real engine preempts "
-                        "by recompute only (memory.preemption=recompute)")  # fmt: skip

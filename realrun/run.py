@@ -117,7 +117,9 @@ def realrun(cfg: Any) -> RealOutput:
     capacity = cfg.kv_capacity_tokens or memory.kv_capacity_tokens
     m = cfg.memory
     try:
-        kv_memory = build_memory(m.model, capacity, m.block_size_tokens, m.watermark)
+        swap_tokens = int(m.swap_space_gib * 2**30 // memory.kv_bytes_per_token)
+        kv_memory = build_memory(m.model, capacity, m.block_size_tokens, m.watermark,
+                                 m.preemption, swap_tokens)  # fmt: skip
     except ValueError as e:
         raise UserError(f"memory.{e}") from None
     policy = build_policy(cfg.policy)

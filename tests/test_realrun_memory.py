@@ -1,5 +1,5 @@
-"""qllm-realrun reads the simulator's ``memory`` group: paged memory preempts by recompute in
-the real engine, and what the engine cannot execute (swap) is refused in one line."""
+"""qllm-realrun reads the simulator's ``memory`` group: paged memory preempts by recompute or
+swap in the real engine, and a combination that cannot run is refused in one line."""
 
 from __future__ import annotations
 
@@ -32,14 +32,20 @@ def test_paged_memory_preempts_by_recompute_in_the_real_engine(tmp_path):
     assert summary["classes"]["all"]["recomputes"] > 0  # 6 x 32 tokens grow past 80
 
 
+def test_paged_memory_preempts_by_swap_in_the_real_engine(tmp_path):
+    done = run_cli(tmp_path, "memory.model=paged", "memory.block_size_tokens=4",
+                   "memory.watermark=0", "memory.preemption=swap")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["completed"] == 6 and summary["classes"]["all"]["swaps"] > 0
+
+
 @pytest.mark.parametrize(
     "overrides, message",
-    [(["memory.model=paged", "memory.preemption=swap"],
-      "memory.preemption=swap: the real engine preempts by recompute only"),
-     (["memory.preemption=swap"], "memory.preemption=swap: swap needs memory.model=paged"),
+    [(["memory.preemption=swap"], "memory.preemption=swap: swap needs memory.model=paged"),
      (["memory.model=pages"], "memory.model=pages: must be reserve or paged")],
 )  # fmt: skip
-def test_what_the_real_engine_cannot_execute_is_one_line(tmp_path, overrides, message):
+def test_what_cannot_run_is_one_line(tmp_path, overrides, message):
     done = run_cli(tmp_path, *overrides)
     assert done.returncode == 2
     err = done.stderr.strip()
