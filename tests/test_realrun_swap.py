@@ -77,3 +77,20 @@ def test_swapped_sequences_generate_exactly_the_greedy_tokens(f64, make, monkeyp
     assert fed and all(n == 1 and cached == kept > 0 for n, cached, kept in fed)
     assert result.tokens == reference
     assert sched.kv_used_tokens == 0 and memory.blocks == {} and memory.host_blocks == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_swapped_sequences_generate_exactly_the_greedy_tokens_on_cuda():
+    model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
+                           device="cuda", dtype="float64", seed=3)  # fmt: skip
+    be = [Request(i, BE, 0.01 * i, 3 + (7 * i) % 37, 6 + i % 7) for i in range(10)]
+    requests, prompts = build_prompts(be, 512, max_prompt_tokens=48, seed=0)
+    memory = PagedMemory(80, 4, watermark=0.0, preemption="swap", swap_capacity_tokens=1000)
+    sched = Scheduler(VLLM(max_num_seqs=8), kv_capacity_tokens=80, memory=memory)
+    result = RealEngine(requests, prompts, sched, ModelRunner(model), VirtualClock(1e-3)).run()
+    assert sched.swaps >= 2
+    for r in requests:
+        ids = torch.tensor([prompts[r.id]], device="cuda")
+        out = model.generate(ids, do_sample=False, max_new_tokens=r.output_tokens)
+        assert result.tokens[r.id] == out[0, r.prompt_tokens :].tolist()
