@@ -141,3 +141,5 @@ def test_swap_under_reserve_is_one_line():
         simulate(_cfg("memory.preemption=swap"))
     with pytest.raises(UserError, match=r"^memory.preemption=move: must be recompute or swap"):
         simulate(_cfg("memory.preemption=move"))
+    with pytest.raises(UserError, match=r"^memory.swap_space_gib=-1.0: must be >= 0"):
+        simulate(_cfg("memory.model=paged", "memory.preemption=swap", "memory.swap_space_gib=-1"))
