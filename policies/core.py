@@ -71,7 +71,9 @@ class Sequence:
     preemptions: int = 0  # times a batch holding it was suspended inside an iteration
     scheduled_s: float | None = None  # first time the sequence entered an executing batch
     recomputes: int = 0  # times its KV was freed, to be recomputed (paged memory's preemption)
-    evicted: bool = False  # its KV is freed: the next iteration re-prefills prompt + generated
+    swaps: int = 0  # times its KV was swapped out to host memory (paged memory's other way)
+    evicted: bool = False  # its KV left the device: the next iteration re-prefills what is not
+    # in KV (prompt + generated after a recompute, the last generated token after a swap)
     admission: int = -1  # order of its latest admission from a waiting queue (vLLM's running)
     prefilled_tokens: int = 0  # of its prefill (prompt + generated), in KV so far when chunked
     chunk_tokens: int = 0  # the next iteration's prefill chunk (0: all that remains)
@@ -153,6 +155,7 @@ class Batch:
     id: int = field(default_factory=lambda: next(_batch_ids))
     cursor: int = 0
     plan: Any = None
+    swap_tokens: int = 0  # KV tokens copied between host and device before it runs
 
     def __post_init__(self) -> None:
         if not self.sequences:

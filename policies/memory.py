@@ -8,7 +8,11 @@ in tokens, so that a policy's arithmetic (room = capacity - used) reads the same
 - ``paged`` (vLLM, SGLang): KV is allocated in blocks of ``block_size_tokens`` as a sequence's
   tokens are written; admission also keeps ``watermark`` of the capacity free, so the running
   sequences have room to grow (vLLM's block-manager watermark). When a sequence cannot grow,
-  the scheduler preempts one by recompute (see ``Scheduler.evict``).
+  the scheduler preempts one (see ``Scheduler.evict``), by ``preemption``: ``recompute`` (its
+  blocks are freed) or ``swap`` (vLLM V0's swap preemption: the blocks of its written KV are
+  copied to ``swap_capacity_tokens`` of host memory and back before it runs again; when the
+  host space is full, or the sequence has no KV written yet, it is recomputed instead).
+  The tokens copied either way are counted in ``transfer_tokens`` for the executor to cost.
 
 A suspended batch's saved activations are charged as tokens (``hold``/``release``) under both.
 """
@@ -36,6 +40,7 @@ class Memory:
         self.used_tokens = 0
         self.peak_used_tokens = 0
         self.admission_limit_tokens = capacity_tokens  # admission may not fill beyond this
+        self.transfer_tokens = 0  # KV tokens swapped out or in since the executor last took them
 
     def max_tokens(self, seq: Sequence) -> int:
         """What the sequence holds at its largest (compared with the capacity on arrival)."""
@@ -55,6 +60,16 @@ class Memory:
 
     def free(self, seq: Sequence) -> int:
         raise NotImplementedError
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Move a preempted sequence's KV to host memory, if this model swaps and has room;
+        False: the caller frees it (recompute)."""
+        return False
+
+    def take_transfer_tokens(self) -> int:
+        """The KV tokens swapped since the last call (the iteration about to run pays them)."""
+        tokens, self.transfer_tokens = self.transfer_tokens, 0
+        return tokens
 
     def held_tokens(self, seq: Sequence) -> int:
         """What preempting an admitted sequence would free."""
@@ -104,9 +119,20 @@ class PagedMemory(Memory):
     grows = True
 
     def __init__(
-        self, capacity_tokens: int, block_size_tokens: int = 16, watermark: float = 0.01
+        self,
+        capacity_tokens: int,
+        block_size_tokens: int = 16,
+        watermark: float = 0.01,
+        preemption: str = "recompute",
+        swap_capacity_tokens: int = 0,
     ) -> None:
         super().__init__(capacity_tokens)
+        if preemption not in PREEMPTIONS:
+            raise ValueError(f"preemption={preemption}: must be one of {', '.join(PREEMPTIONS)}")
+        if isinstance(swap_capacity_tokens, bool) or not isinstance(swap_capacity_tokens, int) \
+                or swap_capacity_tokens < 0:  # fmt: skip
+            raise ValueError(f"swap_capacity_tokens={swap_capacity_tokens}: must be an integer "
+                             ">= 0")  # fmt: skip
         if isinstance(block_size_tokens, bool) or not isinstance(block_size_tokens, int):
             raise ValueError(f"block_size_tokens={block_size_tokens}: must be an integer >= 1")
         if not 1 <= block_size_tokens <= capacity_tokens:
@@ -122,6 +148,10 @@ class PagedMemory(Memory):
         self.watermark_blocks = math.ceil(watermark * self.num_blocks)
         self.admission_limit_tokens = (self.num_blocks - self.watermark_blocks) * block_size_tokens
         self.blocks: dict[int, int] = {}  # sequence id -> blocks it holds
+        self.swap = preemption == "swap"
+        self.swap_capacity_tokens = swap_capacity_tokens
+        self.host_used_tokens = 0
+        self.host_blocks: dict[int, int] = {}  # sequence id -> its blocks swapped out to host
 
     def _tokens(self, n_tokens: int) -> int:
         """Tokens' worth of whole blocks that hold ``n_tokens``."""
@@ -140,6 +170,12 @@ class PagedMemory(Memory):
         return self._need(seq)
 
     def admit(self, seq: Sequence) -> None:
+        """A swapped-out sequence's blocks come back from host first (the ``admit_tokens``
+        charge counts them: it holds no device block while swapped out)."""
+        host = self.host_blocks.pop(seq.id, 0) * self.block_size_tokens
+        if host:
+            self.host_used_tokens -= host
+            self.transfer_tokens += host
         self.grow(seq)
 
     def can_grow(self, seq: Sequence) -> bool:
@@ -156,19 +192,42 @@ class PagedMemory(Memory):
         self.release(tokens)
         return tokens
 
+    def swap_out(self, seq: Sequence) -> bool:
+        """The blocks of its context (the KV written before its next iteration; none for a
+        prefill not begun) go to host; the blocks grown for the next iteration are freed."""
+        kept = self._tokens(seq.context_tokens)
+        if not self.swap or kept == 0 or self.host_used_tokens + kept > self.swap_capacity_tokens:
+            return False
+        self.release(self.blocks.pop(seq.id) * self.block_size_tokens)
+        self.host_blocks[seq.id] = kept // self.block_size_tokens
+        self.host_used_tokens += kept
+        self.transfer_tokens += kept
+        return True
+
     def held_tokens(self, seq: Sequence) -> int:
         return self.blocks.get(seq.id, 0) * self.block_size_tokens
 
+
+PREEMPTIONS = ("recompute", "swap")
 
 MODELS = {"reserve": ReserveMemory, "paged": PagedMemory}
 
 
 def build_memory(
-    model: str, capacity_tokens: int, block_size_tokens: int = 16, watermark: float = 0.01
+    model: str,
+    capacity_tokens: int,
+    block_size_tokens: int = 16,
+    watermark: float = 0.01,
+    preemption: str = "recompute",
+    swap_capacity_tokens: int = 0,
 ) -> Memory:
     """A memory model by name; ValueError names the setting that is wrong."""
     if model == "reserve":
+        if preemption != "recompute":
+            raise ValueError(f"preemption={preemption}: needs memory.model=paged (a reserving "
+                             "model never preempts for memory)")  # fmt: skip
         return ReserveMemory(capacity_tokens)
     if model == "paged":
-        return PagedMemory(capacity_tokens, block_size_tokens, watermark)
+        return PagedMemory(capacity_tokens, block_size_tokens, watermark, preemption,
+                           swap_capacity_tokens)  # fmt: skip
     raise ValueError(f"model={model}: must be one of {', '.join(MODELS)}")

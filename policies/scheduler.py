@@ -17,13 +17,17 @@ Memory is a component (policies/memory.py) the scheduler asks: can this sequence
 release. Under ``reserve`` (TGI) a sequence reserves prompt + output tokens on admission, so a
 running batch never runs out of KV cache. Under ``paged`` (vLLM, SGLang) blocks are allocated
 as tokens are written; when a sequence of a new decode batch cannot grow, the policy names a
-victim (``Policy.victim``) and the scheduler preempts it by recompute (``evict``): its blocks
-are freed, it goes back to the front of its waiting queue with its generated tokens kept, and
-its next prefill recomputes prompt + generated tokens. A request whose largest footprint
-exceeds the capacity is refused on arrival. A suspended batch also holds its saved activations
-(hidden states, routing and partial expert outputs), charged as ``activation_tokens_per_token``
-KV-token equivalents per token in flight; a policy does not preempt when that charge does not
-fit. Sequences of a suspended batch are never victims of a growth shortage.
+victim (``Policy.victim``) and the scheduler preempts it (``evict``): it goes back to the front
+of its waiting queue with its generated tokens kept. The memory model says how: by recompute
+(its blocks are freed, its next prefill recomputes prompt + generated tokens) or by swap (its
+written KV goes to host memory and comes back when it is admitted again, its next prefill
+feeds only the token whose KV was not written yet); the KV tokens swapped are charged to the
+next fresh batch (``Batch.swap_tokens``), whose executor pays the copy time. A request whose
+largest footprint exceeds the capacity is refused on arrival. A suspended batch also holds its
+saved activations (hidden states, routing and partial expert outputs), charged as
+``activation_tokens_per_token`` KV-token equivalents per token in flight; a policy does not
+preempt when that charge does not fit. Sequences of a suspended batch are never victims of a
+growth shortage.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ class Scheduler:
         self.iterations = 0
         self.preemptions = 0
         self.recomputes = 0
+        self.swaps = 0
         self._admissions = itertools.count()
 
     # ----------------------------------------------------------------------------- executor API
@@ -157,6 +162,7 @@ class Scheduler:
                 break
             # a fresh decode batch grows; if all its sequences were preempted, select again
             if not self.memory.grows or batch.phase is Phase.PREFILL or self._grow(batch):
+                batch.swap_tokens = self.memory.take_transfer_tokens()
                 break
         for seq in batch.sequences:
             if seq.scheduled_s is None:
@@ -190,7 +196,7 @@ class Scheduler:
                 if seq.prefill_left_tokens:
                     self.prefilling.append(seq)
                     continue
-                seq.prefilled_tokens = 0
+            seq.prefilled_tokens = 0
             seq.generated += 1
             seq.record_token(now)
             seq.evicted = False
@@ -248,15 +254,28 @@ class Scheduler:
         held = sum(self.memory.held_tokens(q) for q in what.sequences)
         return held + self._held.get(what.id, 0)
 
+    @property
+    def kv_preemptions(self) -> int:
+        return self.recomputes + self.swaps
+
     def evict(self, seq: Sequence) -> None:
-        """Preempt ``seq`` by recompute: free its KV and put it at the front of its waiting
-        queue; its generated tokens are kept, and its next prefill recomputes prompt +
-        generated tokens. The caller has taken it out of the batch or queue it was in."""
-        self.memory.free(seq)
-        seq.prefilled_tokens = seq.chunk_tokens = 0
+        """Preempt ``seq`` for memory and put it at the front of its waiting queue, its
+        generated tokens kept: by swap when the memory model swaps it out (its written KV
+        survives on host, its next prefill feeds the rest), else by recompute (its KV is freed,
+        its next prefill recomputes prompt + generated tokens). The caller has taken it out of
+        the batch or queue it was in."""
+        context = seq.context_tokens
+        if self.memory.swap_out(seq):
+            seq.prefilled_tokens = context
+            seq.swaps += 1
+            self.swaps += 1
+        else:
+            self.memory.free(seq)
+            seq.prefilled_tokens = 0
+            seq.recomputes += 1
+            self.recomputes += 1
+        seq.chunk_tokens = 0
         seq.evicted = True
-        seq.recomputes += 1
-        self.recomputes += 1
         self.waiting[seq.cls].appendleft(seq)
 
     def evict_ready(self, seq: Sequence) -> None:

@@ -17,6 +17,8 @@ v0.9-v0.11 releases):
   A step that preempted admits no waiting request. Preempted requests go back to the front of
   the waiting queue (under ``priority``: of their class's queue, where vLLM re-inserts them in
   its heap by arrival; the two agree when they arrived before the requests waiting there).
+  V1 only recomputes; ``memory.preemption=swap`` gives V0's swap preemption instead (a
+  swapped-out request is swapped back in when it is admitted again, before new prompts).
 
 - ``enable_chunked_prefill`` (vLLM's default is true; ours false, the form the real engine
   runs): one step is one mixed iteration. The
@@ -72,7 +74,7 @@ class VLLM(Policy):
         self.priority = scheduling_policy == "priority"
         self.enable_chunked_prefill = enable_chunked_prefill
         self.decoded = False  # this step's running requests have run; admission comes next
-        self.recomputes_seen = 0  # the recompute count when the last step was chosen
+        self.kv_preemptions_seen = 0  # recomputes + swaps when the last step was chosen
 
     def select(self, s: Scheduler, now: float) -> Batch | None:
         if self.enable_chunked_prefill:
@@ -81,7 +83,7 @@ class VLLM(Policy):
         if running and not self.decoded:
             return self._decode(s, running)
         self.decoded = False
-        preempted = s.recomputes != self.recomputes_seen
+        preempted = s.kv_preemptions != self.kv_preemptions_seen
         room = self.max_batch_size - running
         if room > 0 and not (preempted and running):  # none left running: admit again
             budget = self.max_batch_prefill_tokens - running
@@ -92,7 +94,7 @@ class VLLM(Policy):
 
     def _step(self, s: Scheduler) -> Batch | None:
         """One mixed iteration under the token budget: running requests, then waiting ones."""
-        preempted = s.recomputes != self.recomputes_seen
+        preempted = s.kv_preemptions != self.kv_preemptions_seen
         budget = self.max_batch_prefill_tokens
         running = sorted([*s.ready[LS], *s.ready[BE], *s.prefilling], key=lambda q: q.admission)
         seqs = []
@@ -118,12 +120,12 @@ class VLLM(Policy):
                 seqs.append(q)
                 budget -= q.chunk_tokens
                 slots -= 1
-        self.recomputes_seen = s.recomputes
+        self.kv_preemptions_seen = s.kv_preemptions
         return Batch(seqs, Phase.MIXED) if seqs else None
 
     def _decode(self, s: Scheduler, running: int) -> Batch | None:
         self.decoded = True
-        self.recomputes_seen = s.recomputes
+        self.kv_preemptions_seen = s.kv_preemptions
         seqs = s.take_ready(LS, running) + s.take_ready(BE, running)
         return decode_batch(sorted(seqs, key=lambda q: q.admission))
 

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from profiler.schema import Memory, ModelShape, OpPoint, Profile
+from profiler.schema import SWAP_BYTES_PER_S, Memory, ModelShape, OpPoint, Profile
 
 FP16_BYTES = 2
 # bitsandbytes NF4 with double quantisation (blocksize 64): 4 bits per weight, an 8-bit absmax per
@@ -91,6 +91,8 @@ class Hardware:
     # cost of one all-reduce (NCCL's small-message latency).
     link_bw: float = 0.0
     allreduce_latency_s: float = 0.0
+    # host <-> GPU copies (KV swapped out and in): bytes/s per direction per GPU, PCIe
+    host_bw: float = SWAP_BYTES_PER_S
 
 
 # Fitted to the Vidur project's A100 profiling data (github.com/microsoft/vidur, MIT licence):
@@ -110,7 +112,7 @@ ATTENTION_EFF = Efficiency(compute=0.5, memory=0.75, overhead_s=5e-06)
 
 
 def _hardware(
-    name: str, peak_flops: float, mem_bw: float, memory_gb: float, link_bw: float
+    name: str, peak_flops: float, mem_bw: float, memory_gb: float, link_bw: float, host_bw: float
 ) -> Hardware:
     """A GPU with the A100-fitted efficiencies (an assumption for other GPUs)."""
     return Hardware(
@@ -119,6 +121,7 @@ def _hardware(
         mem_bw=mem_bw,
         memory_gb=memory_gb,
         link_bw=link_bw,
+        host_bw=host_bw,
         allreduce_latency_s=ALLREDUCE_LATENCY_S,
         gemm=A100_FIT["gemm"],
         proj=A100_FIT["proj"],
@@ -133,9 +136,11 @@ def _hardware(
 # a fixed cost per all-reduce: assumptions, not measured here.
 LINK_EFFICIENCY = 0.8
 ALLREDUCE_LATENCY_S = 10e-6
-A100 = _hardware("NVIDIA A100 80GB SXM", 312e12, 2.039e12, 80, 300e9)
-H100 = _hardware("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 80, 450e9)
-H200 = _hardware("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 141, 450e9)
+# Host link for KV swaps: PCIe Gen4 x16 on the A100 (32 GB/s raw per direction), Gen5 x16 on
+# the H100 and H200 (64 GB/s raw); ~80% of raw reaches pinned-memory copies (assumed).
+A100 = _hardware("NVIDIA A100 80GB SXM", 312e12, 2.039e12, 80, 300e9, 25e9)
+H100 = _hardware("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 80, 450e9, 50e9)
+H200 = _hardware("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 141, 450e9, 50e9)
 HARDWARE = {"a100": A100, "h100": H100, "h200": H200}
 
 MIXTRAL_8X7B = ModelShape(
@@ -486,9 +491,16 @@ def weight_params(m: ModelShape) -> tuple[int, int]:
     return m.num_layers * (attn + experts + gate), 2 * m.vocab_size * h
 
 
-def memory_for(m: ModelShape, memory_gb: float, weight_bytes: float, tp: int = 1) -> Memory:
+def memory_for(
+    m: ModelShape,
+    memory_gb: float,
+    weight_bytes: float,
+    tp: int = 1,
+    host_bw: float = SWAP_BYTES_PER_S,
+) -> Memory:
     """KV capacity: what KV_UTILISATION of the tp GPUs' memory leaves after the weights (split
-    over the GPUs, as is each token's KV cache)."""
+    over the GPUs, as is each token's KV cache). Each GPU swaps its share of a token's KV over
+    its own host link, so a swap moves at tp x ``host_bw``."""
     kv = m.kv_bytes_per_token_fp16
     free = tp * memory_gb * 1e9 * KV_UTILISATION - weight_bytes
     if free < kv:
@@ -498,6 +510,7 @@ def memory_for(m: ModelShape, memory_gb: float, weight_bytes: float, tp: int = 1
         kv_capacity_tokens=int(free // kv),
         kv_bytes_per_token=kv,
         activation_bytes_per_token=ACTIVATION_FACTOR * m.hidden_size * FP16_BYTES,
+        swap_bytes_per_s=tp * host_bw,
     )
 
 
@@ -538,7 +551,7 @@ def weight_bytes_fp16(m: ModelShape) -> float:
 def analytic_profile(name: str, hw: Hardware, dtype: str, tp: int = 1) -> Profile:
     m = MIXTRAL_8X7B
     weights = weight_bytes_fp16(m)
-    mem = memory_for(m, hw.memory_gb, weights, tp)
+    mem = memory_for(m, hw.memory_gb, weights, tp, hw.host_bw)
     gpus = f"one {hw.name}" if tp == 1 else f"{tp} x {hw.name}"
     parallel = (
         ""
@@ -553,8 +566,9 @@ def analytic_profile(name: str, hw: Hardware, dtype: str, tp: int = 1) -> Profil
         f"{hw.memory_gb:g} GB per GPU), served by an optimised engine (fused attention, one "
         "attention call over a whole prefill batch, no per-kernel host cost, a fixed "
         f"per-iteration host cost).{parallel} KV capacity = ({tp} x {hw.memory_gb:g} GB x "
-        f"{KV_UTILISATION} - weights) / kv_bytes_per_token. p90 equals the median (the model "
-        "has no spread)."
+        f"{KV_UTILISATION} - weights) / kv_bytes_per_token. KV swapped to host memory moves at "
+        f"{mem.swap_bytes_per_s / 1e9:g} GB/s ({tp} x {hw.host_bw / 1e9:g} GB/s over PCIe, "
+        "assumed). p90 equals the median (the model has no spread)."
     )
     calibration = (
         "Roofline per kernel: smooth max(flops / (peak x eff_compute), bytes / (bandwidth x "
@@ -606,7 +620,7 @@ def nf4_profile(name: str = "a100-mixtral-nf4-hf", loop_in_experts: float = 0.0)
     m, hw = MIXTRAL_8X7B, A100
     ex = replace(HF_EAGER_NF4, loop_in_experts=loop_in_experts)
     weights = NF4_WEIGHTS_GB * 1e9
-    mem = memory_for(m, hw.memory_gb, weights)
+    mem = memory_for(m, hw.memory_gb, weights, host_bw=hw.host_bw)
     description = (
         "Mixtral-8x7B on one NVIDIA A100 80GB with 4-bit NF4 bitsandbytes weights (double "
         "quantisation), fp16 compute and KV cache, Hugging Face transformers in PyTorch eager "
@@ -654,8 +668,9 @@ def nf4_profile(name: str = "a100-mixtral-nf4-hf", loop_in_experts: float = 0.0)
         f"kv_capacity_tokens = (80 GB x {KV_UTILISATION} - 22.9 GB) / "
         f"{mem.kv_bytes_per_token} = {mem.kv_capacity_tokens}; activation_bytes_per_token = "
         f"hidden 4096 x 2 bytes x {ACTIVATION_FACTOR} (the saved hidden state and the top-2 "
-        "experts' partial outputs of a suspended sequence). preempt_switch: those bytes "
-        "copied out and back at HBM bandwidth plus an assumed "
+        "experts' partial outputs of a suspended sequence); KV swapped to host memory moves at "
+        f"{mem.swap_bytes_per_s / 1e9:g} GB/s (PCIe Gen4 x16, assumed). preempt_switch: those "
+        "bytes copied out and back at HBM bandwidth plus an assumed "
         f"{ex.switch_host_s * 1e6:g} us of host time per resume."
     )
     return Profile(

@@ -165,6 +165,8 @@ class KVSequence:
         self.num_prompt = len(token_ids)
         self.num_cached = 0
         self.key = key  # the caller's handle (e.g. a policies.core.Sequence)
+        self.host: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # swapped out
+        self.host_device: torch.device | None = None  # where the swapped-out KV comes back to
 
     @property
     def num_new(self) -> int:
@@ -183,6 +185,30 @@ class KVSequence:
             extra = layer.get_seq_length() - num_cached
             if extra > 0:
                 layer.crop(-extra)
+
+    @property
+    def on_host(self) -> bool:
+        return self.host is not None
+
+    def to_host(self) -> None:
+        """Swap out: copy every layer's cached keys and values to CPU memory and drop the
+        layer's device storage (``GrowingLayer``s, as ``ModelRunner.new_sequence`` builds)."""
+        self.host = [None if layer.keys is None else (layer.keys.to("cpu", copy=True),
+                                                      layer.values.to("cpu", copy=True))
+                     for layer in self.cache.layers]  # fmt: skip
+        self.host_device = next((layer.keys.device for layer in self.cache.layers
+                                 if layer.keys is not None), None)  # fmt: skip
+        for layer in self.cache.layers:
+            layer.reset()
+
+    def to_device(self) -> None:
+        """Swap in: copy the keys and values ``to_host`` saved back into device storage."""
+        for layer, saved in zip(self.cache.layers, self.host, strict=True):
+            if saved is not None:
+                keys, values = saved
+                layer._store(keys.to(self.host_device), values.to(self.host_device))
+                layer.length = keys.shape[-2]
+        self.host = None
 
     def kv_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.cache.layers

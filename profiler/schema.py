@@ -11,7 +11,8 @@ A profile is a directory with two files:
      "model": {"name", "num_layers", "num_experts", "top_k", "hidden_size",
                "intermediate_size", "num_attention_heads", "num_key_value_heads",
                "head_dim", "vocab_size"},
-     "memory": {"kv_capacity_tokens", "kv_bytes_per_token", "activation_bytes_per_token"},
+     "memory": {"kv_capacity_tokens", "kv_bytes_per_token", "activation_bytes_per_token",
+                "swap_bytes_per_s"},                  # absent: SWAP_BYTES_PER_S
      "routing": {"expert_load": [[float] * num_experts] * num_layers | null},
      "prefill_attention": "per_prompt" | "batched",     # absent: "per_prompt"
      "spread": {"median_factor", "worst_factor", "worst", "threshold", "noisy"}}  # measured
@@ -198,11 +199,17 @@ class ModelShape:
         return 2 * self.num_layers * self.num_key_value_heads * self.head_dim * 2
 
 
+# Host <-> device copy bandwidth of KV blocks swapped out and in, when a profile does not say:
+# what a PCIe Gen4 x16 link (32 GB/s raw per direction) delivers to pinned-memory copies.
+SWAP_BYTES_PER_S = 25e9
+
+
 @dataclass
 class Memory:
     kv_capacity_tokens: int
     kv_bytes_per_token: int
     activation_bytes_per_token: int
+    swap_bytes_per_s: float = SWAP_BYTES_PER_S  # KV swapped to or from host memory
 
 
 @dataclass
@@ -258,6 +265,8 @@ class Profile:
                     raise ProfileError(f"{where}: each expert_load row must sum to 1")
         if self.memory.kv_capacity_tokens < 1:
             raise ProfileError(f"{where}: kv_capacity_tokens must be >= 1")
+        if not self.memory.swap_bytes_per_s > 0:
+            raise ProfileError(f"{where}: swap_bytes_per_s must be > 0")
 
     def spread(self) -> Spread | None:
         return spread(self.points)

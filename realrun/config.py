@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from sim.config import ProfileConfig, SloConfig, UserError, WorkloadConfig
+from sim.config import MemoryConfig, ProfileConfig, SloConfig, UserError, WorkloadConfig
 from sim.config import validate as validate_sim
 
 
@@ -56,6 +56,7 @@ class RealrunConfig(EngineConfig):
     policy: Any = MISSING
     slo: SloConfig = field(default_factory=SloConfig)
     kv_capacity_tokens: int | None = None  # null: measured KV bytes per token vs free memory
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # the simulator's group
     clock: ClockKind = ClockKind.wall
     virtual_stage_ms: float = 1.0
     trace: TraceLevel = TraceLevel.stages
@@ -89,9 +90,11 @@ def validate_engine(cfg: Any) -> None:
 
 
 def validate_shared(cfg: Any, policy: Any) -> None:
-    """The simulator's own checks of the workload, policy and slo groups."""
+    """The simulator's own checks of the workload, policy, slo and (where the config has one)
+    memory groups."""
     validate_sim(SimpleNamespace(workload=cfg.workload, profile=ProfileConfig(), policy=policy,
-                                 slo=cfg.slo, boundary_mode="lookup"))  # fmt: skip
+                                 slo=cfg.slo, memory=getattr(cfg, "memory", None),
+                                 boundary_mode="lookup"))  # fmt: skip
 
 
 def validate_realrun(cfg: Any) -> None:

@@ -14,7 +14,10 @@ latency model:
   arrival to finish; the runner appends the greedy token of each iteration, and a sequence
   stops after exactly its request's output tokens (no EOS);
 - a sequence the scheduler preempted by recompute (``Sequence.evicted``) has its cache
-  emptied before its next iteration, which then feeds prompt + generated tokens again.
+  emptied before its next iteration, which then feeds prompt + generated tokens again; one it
+  preempted by swap has its cache copied to CPU memory (``KVSequence.to_host``) as soon as
+  the scheduler's decision returns, and back before its next iteration, which then feeds the
+  one token whose KV was not written.
 
 On CUDA, stage boundaries are host times: kernels run asynchronously, and the host waits for
 the device only where the runner reads results back (each router's queue sizes, the tokens).
@@ -27,6 +30,7 @@ latency model's prediction for that very batch.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -108,6 +112,7 @@ class RealEngine:
         # when the engine last ran out of work (the clock's start); None while it has work
         self._idle_since: float | None = 0.0
         self._next = 0  # index of the next request to arrive
+        self._swaps = 0  # the scheduler's swap count when swapped-out KV was last moved
 
     # ----------------------------------------------------------------------------- arrivals
     def _admit(self, now: float) -> None:
@@ -133,6 +138,8 @@ class RealEngine:
         while True:
             self._admit(clock.now())
             batch = sched.next_batch(clock.now())
+            if sched.swaps != self._swaps:
+                self._swap_out()
             if batch is None:
                 if self._idle_since is None:
                     self._idle_since = clock.now()
@@ -155,6 +162,15 @@ class RealEngine:
             segments=self.segments,
         )
 
+    def _swap_out(self) -> None:
+        """Move the KV of the sequences the scheduler has swapped out since the last call (now
+        waiting with KV kept: ``prefilled_tokens``) to host memory."""
+        self._swaps = self.sched.swaps
+        for seq in itertools.chain(*self.sched.waiting.values()):
+            kv = self.kv[seq.id]
+            if seq.evicted and seq.prefilled_tokens and not kv.on_host:
+                kv.to_host()
+
     def _execute(self, batch: Batch) -> None:
         """Run the batch's iteration from its cursor to the end, or to the first allowed
         boundary at which the policy wants the processor back.
@@ -166,9 +182,12 @@ class RealEngine:
         state = batch.plan
         if state is None:
             for seq in batch.sequences:
-                if seq.evicted:  # its KV was freed (a suspended batch's partly): recompute
+                if seq.evicted:  # its KV left: swapped back in, or freed (recompute)
                     kv = self.kv[seq.id]
-                    kv.truncate(len(kv.token_ids), 0)
+                    if kv.on_host:
+                        kv.to_device()
+                    # a suspended batch's partial writes go: what the scheduler kept stays
+                    kv.truncate(len(kv.token_ids), seq.prefilled_tokens)
             state = batch.plan = runner.begin([self.kv[s.id] for s in batch.sequences])
             self._shapes[batch.id] = [(s.phase.value, s.new_tokens, s.context_tokens)
                                       for s in batch.sequences]  # fmt: skip

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from policies.core import Request
+from policies.memory import build_memory
 from policies.scheduler import CapacityError, Scheduler
 from profiler.measure import Profiler, Settings
 from profiler.models import ModelError, ModelInfo, build_model
@@ -113,13 +114,24 @@ def realrun(cfg: Any) -> RealOutput:
     runner, _ = load_model(cfg)
     requests, prompts = prepare_requests(cfg, runner)
     memory = measure_memory(runner)
+    capacity = cfg.kv_capacity_tokens or memory.kv_capacity_tokens
+    m = cfg.memory
+    try:
+        swap_tokens = int(m.swap_space_gib * 2**30 // memory.kv_bytes_per_token)
+        kv_memory = build_memory(m.model, capacity, m.block_size_tokens, m.watermark,
+                                 m.preemption, swap_tokens)  # fmt: skip
+    except ValueError as e:
+        raise UserError(f"memory.{e}") from None
+    policy = build_policy(cfg.policy)
     scheduler = Scheduler(
-        build_policy(cfg.policy),
-        kv_capacity_tokens=cfg.kv_capacity_tokens or memory.kv_capacity_tokens,
+        policy,
+        kv_capacity_tokens=capacity,
         activation_tokens_per_token=memory.activation_bytes_per_token / memory.kv_bytes_per_token,
+        memory=kv_memory,
     )
     if cfg.warmup:
-        largest_batch = min(cfg.policy.max_batch_size, len(requests))
+        # the policy's own cap (vllm names it max_num_seqs; null: infinite)
+        largest_batch = int(min(policy.max_batch_size, len(requests)))
         warm_up(runner, max(r.prompt_tokens for r in requests), largest_batch)
     level = TraceLevel(cfg.trace)
     trace = None if level is TraceLevel.off else ChromeTrace(stages=level is TraceLevel.stages)

@@ -65,13 +65,15 @@ class LeastOutstanding(Router):
 
 
 class LeastKV(Router):
-    """Most free KV cache, counting the reservations of requests still waiting."""
+    """Most free KV cache: what the replica's memory model holds, plus what its waiting
+    requests will be charged on admission (``reserve``: prompt + output; ``paged``: the blocks
+    of what their prefill writes, as paged memory never holds the rest in advance)."""
 
     name = "least_kv"
 
     def choose(self, scheds, request):
         def used(s: Scheduler) -> float:
-            waiting = sum(q.reserved_tokens for c in s.waiting for q in s.waiting[c])
+            waiting = sum(s.memory.admit_tokens(q) for c in s.waiting for q in s.waiting[c])
             return (s.kv_used_tokens + waiting) / s.kv_capacity_tokens
 
         return _least(scheds, range(len(scheds)), used)

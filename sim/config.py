@@ -111,6 +111,8 @@ class MemoryConfig:
     model: str = "reserve"  # reserve (TGI: prompt + output on admission) | paged (vLLM, SGLang)
     block_size_tokens: int = 16  # paged: KV block size
     watermark: float = 0.01  # paged: fraction of blocks admission keeps free (vLLM V0's 0.01)
+    preemption: str = "recompute"  # paged: recompute | swap (KV to host, vLLM V0's other mode)
+    swap_space_gib: float = 4.0  # swap: host memory for swapped-out KV (vLLM's swap_space)
 
 
 @dataclass
@@ -190,6 +192,11 @@ def validate(cfg: Any) -> None:
         need(m.model in ("reserve", "paged"), "memory.model", m.model, "must be reserve or paged")
         need(m.block_size_tokens >= 1, "memory.block_size_tokens", m.block_size_tokens, ">= 1")
         need(0 <= m.watermark < 1, "memory.watermark", m.watermark, "must be in [0, 1)")
+        need(m.preemption in ("recompute", "swap"), "memory.preemption", m.preemption,
+             "must be recompute or swap")  # fmt: skip
+        need(m.preemption == "recompute" or m.model == "paged", "memory.preemption",
+             m.preemption, "swap needs memory.model=paged")  # fmt: skip
+        need(m.swap_space_gib >= 0, "memory.swap_space_gib", m.swap_space_gib, "must be >= 0")
     need(slo.ls_ttft_s > 0, "slo.ls_ttft_s", slo.ls_ttft_s, "must be > 0 seconds")
     for key in ("be_ttft_s", "ls_tpot_s", "be_tpot_s"):
         value = getattr(slo, key, None)

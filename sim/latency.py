@@ -9,7 +9,9 @@ which stage i starts (boundary i); a batch's cursor is such a boundary index. Wh
 boundaries allow preemption depends on the policy's granularity (``Plan.preemptible``).
 A suspended batch pays ``LatencyModel.switch_s`` (the profile's context-switch cost) when it
 resumes, before the stage at its cursor; the first batch after an idle stretch pays
-``LatencyModel.wake_s`` (the profile's wake-up cost at that idle time) before it starts.
+``LatencyModel.wake_s`` (the profile's wake-up cost at that idle time) before it starts. KV
+swapped between host and device for an iteration (``Batch.swap_tokens``) is copied before it
+runs: its time, at the profile's ``swap_bytes_per_s``, is part of the iteration's first stage.
 """
 
 from __future__ import annotations
@@ -417,6 +419,8 @@ class LatencyModel:
         wake_points = profile.op_points("wake_up")
         self.wake = Curve1D(wake_points, "idle_ms") if wake_points else None
         self._pools: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        mem = profile.memory
+        self.swap_s_per_token = mem.kv_bytes_per_token / mem.swap_bytes_per_s
 
     def curves(self) -> list[Curve1D | Curve2D]:
         curves = [self.attn_prefill, self.attn_decode, self.router, self.expert, self.lm_head]
@@ -475,7 +479,7 @@ class LatencyModel:
         tokens = batch.new_tokens
         counts, experts = self.experts(tokens)
         return Plan(
-            overhead_s=self.overhead.scalar(batch.size),
+            overhead_s=self.overhead.scalar(batch.size) + batch.swap_tokens * self.swap_s_per_token,
             attention_s=self.attention_s(batch),
             router_s=self.router.scalar(tokens),
             experts_s=experts,

@@ -34,6 +34,7 @@ REQUEST_COLUMNS = [
     "itl_max_s",
     "preemptions",
     "recomputes",
+    "swaps",
 ]
 STATS = ("mean", "std", "p50", "p90", "p95", "p99", "max")
 PERCENTILES = {"p50": 50, "p90": 90, "p95": 95, "p99": 99}
@@ -52,11 +53,12 @@ def requests_frame(sequences: list[Seq]) -> pd.DataFrame:
         rows.append(
             (r.id, r.cls, r.source, r.arrival_s, r.prompt_tokens, r.output_tokens, first,
              finish, first - r.arrival_s, finish - r.arrival_s, tpot, itl_max, s.preemptions,
-             s.recomputes)
+             s.recomputes, s.swaps)
         )  # fmt: skip
     df = pd.DataFrame(rows, columns=REQUEST_COLUMNS)
     return df.astype({"id": "int64", "prompt_tokens": "int64", "output_tokens": "int64",
-                      "preemptions": "int64", "recomputes": "int64"})  # fmt: skip
+                      "preemptions": "int64", "recomputes": "int64",
+                      "swaps": "int64"})  # fmt: skip
 
 
 def stats(values: Any) -> dict:
@@ -132,6 +134,7 @@ def summarize(
             "goodput": _fraction(good[mine & has_slo]),
             "preemptions": int(part["preemptions"].sum()),
             "recomputes": int(part["recomputes"].sum()),
+            "swaps": int(part["swaps"].sum()),
         }
     span = max(makespan_s, 1e-12)
     finished = df[done]

@@ -70,9 +70,8 @@ def run_settings(cfg) -> dict:
 def summary_rows(settings: dict, summary: dict) -> list:
     """One row per class (LS, BE, all) of one run: its settings and every metric of its
     summary: ``<metric>_<stat>_s`` for each latency (``ttft_p95_s``, ``itl_max_s``, ...), the
-    class's ``slo_attainment``, ``goodput``, ``preemptions`` and ``recomputes``, and the run's
-    throughput,
-    makespan and counts (the same on the three rows)."""
+    class's ``slo_attainment``, ``goodput``, ``preemptions``, ``recomputes`` and ``swaps``,
+    and the run's throughput, makespan and counts (the same on the three rows)."""
     rows = []
     for cls in CLASSES:
         part = summary["classes"][cls]
@@ -81,7 +80,7 @@ def summary_rows(settings: dict, summary: dict) -> list:
             base = metric[: -len("_s")]
             for stat in STATS:
                 row[f"{base}_{stat}_s"] = part[metric][stat]
-        for key in ("slo_attainment", "goodput", "preemptions", "recomputes"):
+        for key in ("slo_attainment", "goodput", "preemptions", "recomputes", "swaps"):
             row[key] = part.get(key)
         row.update(summary["throughput"])
         row.update({k: summary[k] for k in ("makespan_s", "arrived", "completed")})

@@ -74,7 +74,9 @@ def build_scheduler(cfg: Any, profile) -> Scheduler:
     capacity = cfg.profile.kv_capacity_tokens or mem.kv_capacity_tokens
     m = cfg.memory if "memory" in cfg else MemoryConfig()
     try:
-        memory = build_memory(m.model, capacity, m.block_size_tokens, m.watermark)
+        swap_tokens = int(m.swap_space_gib * 2**30 // mem.kv_bytes_per_token)
+        memory = build_memory(m.model, capacity, m.block_size_tokens, m.watermark, m.preemption,
+                              swap_tokens)  # fmt: skip
     except ValueError as e:
         raise UserError(f"memory.{e}") from None
     return Scheduler(

@@ -53,7 +53,7 @@ def test_run_writes_outputs_with_the_documented_schema(tmp_path):
     latencies = {"ttft_s", "tpot_s", "itl_s", "turnaround_s"}
     for part in summary["classes"].values():
         assert set(part) == {"count", "slo_attainment", "goodput", "preemptions",
-                             "recomputes"} | latencies  # fmt: skip
+                             "recomputes", "swaps"} | latencies  # fmt: skip
         assert all(set(part[m]) == STATS for m in latencies)
     assert summary["classes"]["BE"]["slo_attainment"] is None  # BE has no SLO by default
     assert set(summary["throughput"]) == {"jobs_per_s", "output_tokens_per_s",

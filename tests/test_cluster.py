@@ -11,6 +11,7 @@ from conftest import linear_profile
 
 from policies import Request, Scheduler
 from policies.iteration import IterationFCFS
+from policies.memory import build_memory
 from policies.qllm import QLLM
 from sim.cluster import ROUTERS, Cluster, LSDedicated, replica_stats
 from sim.engine import Simulation
@@ -81,6 +82,22 @@ def test_least_kv_counts_waiting_reservations():
             Request(2, "BE", 0.0, 10, 10)]  # fmt: skip
     out = cluster(reqs, 2, "least_kv")
     assert out.replica_of[0] != out.replica_of[1]
+
+
+@pytest.mark.parametrize("model, chosen", [("paged", 0), ("reserve", 1)])
+def test_least_kv_counts_what_the_memory_model_holds(model, chosen):
+    """Replica 0 has one request waiting (prompt 10, 1,000 output tokens), replica 1 one
+    running that has written 208 tokens. Under paged memory the waiting one will hold one
+    16-token block on admission, so replica 0 has more free KV; a reservation (reserve)
+    counts all 1,010 tokens, so replica 1 has."""
+    scheds = [Scheduler(QLLM(), 2000, memory=build_memory(model, 2000, 16, 0.0))
+              for _ in range(2)]  # fmt: skip
+    scheds[0].arrive(Request(0, "BE", 0.0, 10, 1000), 0.0)
+    scheds[1].arrive(Request(1, "BE", 0.0, 200, 10), 0.0)
+    scheds[1].next_batch(0.0)
+    scheds[1].complete_iteration(0.0)
+    assert scheds[1].kv_used_tokens == {"paged": 208, "reserve": 210}[model]
+    assert ROUTERS["least_kv"](2).choose(scheds, Request(2, "BE", 0.0, 5, 5)) == chosen
 
 
 @pytest.mark.parametrize("router", sorted(ROUTERS))

@@ -179,7 +179,8 @@ request_lists = st.lists(
 @given(
     rows=request_lists,
     policy=st.sampled_from(sorted(POLICIES)),
-    model=st.sampled_from(["reserve", "paged"]),
+    model=st.sampled_from(["reserve", "paged", "swap"]),
+    swap=st.integers(0, 300),  # host tokens for swap: none to plenty
     batch=st.integers(1, 8),
     capacity=st.integers(170, 1200),
     block=st.sampled_from([1, 4, 16]),
@@ -187,15 +188,28 @@ request_lists = st.lists(
 )
 @example(  # the one running request finishes in the step that preempted the other
     rows=[(0.0, "LS", 37, 34), (0.0, "LS", 39, 33), (0.0625, "LS", 1, 30)],
-    policy="vllm-fcfs", model="paged", batch=3, capacity=170, block=1, budget=1,
+    policy="vllm-fcfs", model="paged", swap=0, batch=3, capacity=170, block=1, budget=1,
+)  # fmt: skip
+@example(  # host space for some victims only (3 swapped, 2 recomputed, suspended BE among them)
+    rows=[(0.0, "BE", 60, 40)] * 4 + [(0.1, "LS", 30, 40)] * 2,
+    policy="qllm-evict", model="swap", swap=128, batch=6, capacity=400, block=16, budget=64,
+)  # fmt: skip
+@example(  # chunked prefill: 1 swapped, 1 recomputed
+    rows=[(0.0, "BE", 60, 40)] * 4 + [(0.1, "LS", 30, 40)] * 2,
+    policy="vllm-chunked-priority", model="swap", swap=80, batch=6, capacity=400, block=16,
+    budget=64,
 )  # fmt: skip
 def test_every_arrived_request_completes_under_memory_pressure(
-    rows, policy, model, batch, capacity, block, budget
+    rows, policy, model, swap, batch, capacity, block, budget
 ):
-    """Every policy x memory model: no request lost, no stall, KV used back to 0, no block
-    leaked, capacity never exceeded, every token produced once."""
+    """Every policy x memory model (paged preempting by recompute or by swap): no request
+    lost, no stall, KV used back to 0, no block leaked on device or host, capacity never
+    exceeded, every token produced once."""
     requests = [Request(i, c, t, p, o) for i, (t, c, p, o) in enumerate(sorted(rows))]
-    memory = build_memory(model, capacity, block, watermark=0.05)
+    if model == "swap":
+        memory = build_memory("paged", capacity, block, 0.05, "swap", swap)
+    else:
+        memory = build_memory(model, capacity, block, watermark=0.05)
     sched = Scheduler(POLICIES[policy](batch, budget), capacity, 0.125, memory=memory)
     fits = [r for r in requests if memory.max_tokens(Sequence(r)) <= memory.capacity_tokens]
     prof = linear_profile(num_layers=2, num_experts=4)
@@ -203,7 +217,8 @@ def test_every_arrived_request_completes_under_memory_pressure(
     assert len(result.sequences) == len(fits)
     for seq in result.sequences:
         assert seq.generated == seq.request.output_tokens and seq.finish_s is not None
-        assert not seq.evicted
+        assert not seq.evicted and len(seq.token_gaps_s) == seq.generated - 1
     assert sched.kv_used_tokens == 0 and sched.in_system == 0
-    assert getattr(memory, "blocks", {}) == {}
+    assert getattr(memory, "blocks", {}) == {} and getattr(memory, "host_blocks", {}) == {}
+    assert getattr(memory, "host_used_tokens", 0) == 0
     assert result.peak_kv_used_tokens <= memory.capacity_tokens
