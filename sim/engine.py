@@ -157,8 +157,9 @@ class Simulation:
 
     def _run_lookup(self, batch: Batch, stop: int | None = None):
         """Run from the cursor to boundary ``stop`` (None: the end) in one timeout, leaving the
-        cursor there; on an interrupt, run to the next preemptible boundary before it (or at
-        it) and return True (suspend) there."""
+        cursor there; on an interrupt, run to the next preemptible boundary and return True
+        (suspend) there. A stop is a suspended batch's cursor, itself a preemptible boundary,
+        so an interrupt before it suspends the batch at or before it."""
         env, plan = self.env, batch.plan
         offset = plan.offset(batch.cursor)
         end = plan.num_stages if stop is None else stop
@@ -175,11 +176,9 @@ class Simulation:
             self._interruptible = False
         elapsed = offset + (env.now - start)
         boundary = plan.next_boundary(elapsed, self.sched.granularity)
-        if boundary is None or boundary > end:
-            yield env.timeout(plan.offset(end) - elapsed)
+        if boundary is None:  # past the last boundary: never when a stop (itself one) is ahead
+            yield env.timeout(plan.total_s - elapsed)
             self.events += 1
-            if stop is not None:
-                batch.cursor = stop
             return False
         yield env.timeout(plan.offset(boundary) - elapsed)
         self.events += 1
