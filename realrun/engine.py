@@ -137,6 +137,7 @@ class RealEngine:
         stage_trace = trace is not None and trace.stages
         start = now = clock.now()
         stages = 0
+        partner = sched.merge_partner()
         while not state.done:
             ref = runner.step(state)
             clock.tick()
@@ -159,6 +160,11 @@ class RealEngine:
                     if trace is not None:
                         trace.segment(batch, start, now, preempted=True)
                     return
+            if partner is not None and state.cursor == partner.cursor:  # the paper's merge
+                batch.cursor = state.cursor
+                batch = sched.merge(partner, now)
+                state = batch.plan = runner.merge(state, partner.plan)
+                partner = sched.merge_partner()
         self.stages += stages
         if trace is not None:
             trace.segment(batch, start, now, preempted=False)

@@ -110,8 +110,6 @@ def realrun(cfg: Any) -> RealOutput:
     if cfg.policy.get("enable_chunked_prefill"):
         raise UserError("policy.enable_chunked_prefill=true: must be false for the real engine "
                         "(it runs one-phase batches)")  # fmt: skip
-    if cfg.policy.get("merge"):
-        raise UserError("policy.merge=true: the real engine does not execute merges yet")
     runner, _ = load_model(cfg)
     requests, prompts = prepare_requests(cfg, runner)
     memory = measure_memory(runner)

@@ -82,13 +82,3 @@ def test_the_real_engine_refuses_chunked_prefill_in_one_line(tmp_path):
     assert done.returncode == 2 and "\n" not in err, err
     assert "policy.enable_chunked_prefill=true: must be false for the real engine" in err
 
-
-def test_the_real_engine_refuses_merges_in_one_line(tmp_path):
-    done = subprocess.run(
-        [Path(sys.executable).parent / "qllm-realrun", f"hydra.run.dir={tmp_path}",
-         "policy=qllm", "policy.merge=true"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 2 and done.stderr.strip() == (
-        "qllm-realrun: error: policy.merge=true: the real engine does not execute merges yet"
-    ), done.stderr
