@@ -81,4 +81,3 @@ def test_the_real_engine_refuses_chunked_prefill_in_one_line(tmp_path):
     err = done.stderr.strip()
     assert done.returncode == 2 and "\n" not in err, err
     assert "policy.enable_chunked_prefill=true: must be false for the real engine" in err
-
