@@ -4,9 +4,11 @@ batch that reaches a suspended batch's cursor joins it, and every request still 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from test_realrun import STAGE_S, mixed_requests, policy
+from test_realrun import STAGE_S, mixed_requests, policy, run_cli
 
 from policies.core import Phase
 from policies.scheduler import Scheduler
@@ -75,3 +77,12 @@ def test_the_runner_merges_only_iterations_at_the_same_boundary(f64):
     runner.run(b, until=4)
     with pytest.raises(RunnerError, match="same inner boundary"):
         runner.merge(a, b)
+
+
+def test_qllm_realrun_accepts_merge_and_counts_merges(tmp_path):
+    done = run_cli(tmp_path, "workload=synthetic", "workload.num_requests=6", "workload.rate=50",
+                   "workload.prompt.tokens=12", "workload.output.tokens=3", "policy=qllm",
+                   "policy.merge=true", "workload.ls_fraction=0.5")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["completed"] == 6 and summary["executor"]["merges"] >= 0
