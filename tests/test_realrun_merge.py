@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_realrun import STAGE_S, mixed_requests, policy, run_cli
 
-from policies.core import Phase
+from policies.core import Phase, Stage
 from policies.scheduler import Scheduler
 from profiler.models import build_model
 from profiler.ops import ModelRunner, RunnerError
@@ -86,3 +86,27 @@ def test_qllm_realrun_accepts_merge_and_counts_merges(tmp_path):
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["completed"] == 6 and summary["executor"]["merges"] >= 0
+
+
+@pytest.mark.parametrize("kinds", [("decode", "decode"), ("prefill", "decode"),
+                                   ("decode", "prefill"), ("prefill", "prefill")])  # fmt: skip
+@pytest.mark.parametrize("where", [(0, Stage.ATTENTION, 0), (1, Stage.ROUTER, 0),
+                                   (1, Stage.EXPERT, 2)])  # fmt: skip
+def test_two_iterations_merged_at_one_boundary_give_the_greedy_tokens(f64, kinds, where):
+    """Two batches of two sequences each, every one in the given phase, run to one boundary
+    (a layer's start, after a router, between two experts), merge, and finish as one: each
+    sequence's tokens so far are ``generate``'s."""
+    runner, requests, prompts, reference = f64
+    ids = [r.id for r in requests if r.output_tokens >= 2][:4]
+    groups = []
+    for kind, pair in zip(kinds, (ids[:2], ids[2:]), strict=True):
+        seqs = [runner.new_sequence(prompts[i]) for i in pair]
+        if kind == "decode":
+            runner.run(runner.begin(seqs))  # the prefill: the next iteration decodes
+        groups.append(seqs)
+    cursor = runner.flat_index(*where)
+    first, second = (runner.run(runner.begin(seqs), until=cursor) for seqs in groups)
+    merged = runner.run(runner.merge(first, second))
+    assert merged.done and len(merged.next_tokens) == 4
+    for seq, i in zip(groups[0] + groups[1], ids, strict=True):
+        assert seq.generated == reference[i][: len(seq.generated)]
