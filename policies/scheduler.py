@@ -10,6 +10,9 @@ The executor contract (simulator and real engine alike)::
     # run batch's iteration from batch.cursor; at every boundary the policy's granularity
     # allows (``sched.preemptible``), if sched.should_preempt(): set batch.cursor and call
     sched.preempt(now)                         # the batch is suspended, keeping its plan
+    partner = sched.merge_partner()            # when a batch starts or resumes; None: no merge
+    # run batch's iteration up to partner.cursor, then (unless preempted before)
+    batch = sched.merge(partner, now)          # one batch of both continues from that cursor
     finished = sched.complete_iteration(now)   # at the end of the iteration
 
 Memory is a component (policies/memory.py) the scheduler asks: can this sequence be admitted
@@ -90,6 +93,12 @@ class Policy:
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
         """Hook called after every completed iteration."""
 
+    def merge_partner(self, s: Scheduler, running: Batch) -> Batch | None:
+        """A suspended batch whose cursor lies ahead of the running batch's, for the running
+        batch to merge with when it gets there (``Scheduler.merge``); None (the default):
+        the running batch runs on alone."""
+        return None
+
     def victim(self, s: Scheduler, batch: Batch) -> Sequence:
         """The sequence to preempt by recompute when one of ``batch`` cannot grow: by default
         vLLM V1's priority rule (vllm/v1/core/sched/scheduler.py, ``schedule``): the lowest
@@ -126,6 +135,7 @@ class Scheduler:
         self.preemptions = 0
         self.recomputes = 0
         self.swaps = 0
+        self.merges = 0
         self._admissions = itertools.count()
 
     # ----------------------------------------------------------------------------- executor API
@@ -183,6 +193,38 @@ class Scheduler:
         self.suspended.append(batch)
         self.preemptions += 1
         return batch
+
+    def merge_partner(self) -> Batch | None:
+        """The suspended batch the running batch is to merge with once its cursor reaches that
+        batch's cursor (the policy's choice), or None. Asked when a batch starts or resumes and
+        again after each merge: the executor runs the batch to the partner's cursor, then calls
+        ``merge``."""
+        if self.running is None:
+            return None
+        partner = self.policy.merge_partner(self, self.running)
+        if partner is not None and partner.cursor <= self.running.cursor:
+            raise RuntimeError(f"merge partner {partner} is not ahead of {self.running}")
+        return partner
+
+    def merge(self, partner: Batch, now: float) -> Batch:
+        """Merge the running batch with the suspended ``partner`` at the cursor both have
+        reached: the batch of both sets of sequences runs on from there as the running batch
+        (a new Batch, mixed when the phases differ). The partner's saved activations become
+        live state again, so their memory charge is released as on a resume. The executor
+        plans the rest of the iteration at the merged composition."""
+        running = self._take_running()
+        if partner not in self.suspended or partner.cursor != running.cursor:
+            self.running = running
+            raise RuntimeError(
+                f"cannot merge {running} at cursor {running.cursor} with {partner} "
+                f"at cursor {partner.cursor}: merges happen at equal cursors only"
+            )
+        self.suspended.remove(partner)
+        self.memory.release(self._held.pop(partner.id))
+        phase = running.phase if running.phase is partner.phase else Phase.MIXED
+        self.running = Batch(running.sequences + partner.sequences, phase, cursor=running.cursor)
+        self.merges += 1
+        return self.running
 
     def complete_iteration(self, now: float) -> list[Sequence]:
         batch = self._take_running()

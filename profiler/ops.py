@@ -232,6 +232,23 @@ class Routing:
         return [b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False)]
 
     @classmethod
+    def join(cls, first: Routing, second: Routing, shift: int) -> Routing:
+        """One layer's queues for the tokens of both, ``second``'s tokens after ``first``'s
+        ``shift`` ones: expert e's queue is first's entries then second's, each row (its
+        input, or the output of an expert that already ran) carried over unchanged."""
+        n = len(first.token_idx)  # second's rows follow first's in the joined tensors
+        rows, bounds = [], [0]
+        for e in range(len(first.bounds) - 1):
+            rows += range(first.bounds[e], first.bounds[e + 1])
+            rows += range(n + second.bounds[e], n + second.bounds[e + 1])
+            bounds.append(len(rows))
+        order = torch.tensor(rows, device=first.inputs.device)
+        token_idx = torch.cat([first.token_idx, second.token_idx + shift]).index_select(0, order)
+        inputs = torch.cat([first.inputs, second.inputs]).index_select(0, order)
+        weights = torch.cat([first.weights, second.weights]).index_select(0, order)
+        return cls(token_idx, inputs, weights, bounds)
+
+    @classmethod
     def build(
         cls, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, num_experts: int
     ) -> Routing:
@@ -245,6 +262,10 @@ class Routing:
         bounds = torch.searchsorted(experts, ids).tolist()
         weights = top_w.reshape(-1, 1).index_select(0, order)
         return cls(token_idx, x.index_select(0, token_idx), weights, bounds)
+
+
+def _cat(first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor | None:
+    return None if first is None else torch.cat([first, second])
 
 
 class StageRef(NamedTuple):
@@ -271,6 +292,10 @@ class IterationState:
     masks: list | None = None  # per sequence (prefill) or one batch mask (decode)
     batch_kv: _BatchKV | None = None  # decode only: the batch's caches for attention
     next_tokens: list[int] | None = None  # set by lm_head
+    # A merged iteration (``ModelRunner.merge``): the iterations it joined, in token order,
+    # each keeping what its own attention needs (offsets, rope, masks, batch KV); the merged
+    # state holds the token-wise tensors (residual stream, queues) of all of them.
+    groups: list[IterationState] | None = None
 
     @property
     def size(self) -> int:
@@ -497,6 +522,36 @@ class ModelRunner:
             state.cursor += 1
         return state
 
+    def merge(self, first: IterationState, second: IterationState) -> IterationState:
+        """One iteration of both batches' sequences (``first``'s first), from the boundary
+        both have reached: the residual streams and the current layer's queues (with the
+        outputs of the experts that already ran) are joined, so every later router, expert
+        and lm_head runs once on all the tokens; attention stays per joined iteration, each
+        with its own masks and caches (a decode batch's padded KV, a prefill's per sequence)."""
+        if first.cursor != second.cursor or first.cursor < 1 or first.done or second.done:
+            raise RunnerError(
+                f"cannot merge iterations at stages {first.cursor} and {second.cursor}: "
+                "both must be at the same inner boundary"
+            )
+        shift = first.num_tokens
+        routing = first.routing and Routing.join(first.routing, second.routing, shift)
+        groups = (first.groups or [first]) + (second.groups or [second])
+        merged = IterationState(
+            sequences=first.sequences + second.sequences,
+            cursor=first.cursor,
+            offsets=first.offsets + [shift + o for o in second.offsets[1:]],
+            is_decode=first.is_decode and second.is_decode,
+            hidden=torch.cat([first.hidden, second.hidden]),
+            moe_out=_cat(first.moe_out, second.moe_out),
+            shared_out=_cat(first.shared_out, second.shared_out),
+            routing=routing,
+            pending_layer=first.pending_layer,
+            groups=groups,
+        )
+        for g in groups:  # their token-wise tensors now live in the merged state only
+            g.hidden = g.moe_out = g.shared_out = g.routing = None
+        return merged
+
     def _run(self, ref: StageRef, state: IterationState) -> None:
         if ref.stage == "expert":
             self.expert(ref.layer, ref.expert, state)
@@ -576,6 +631,19 @@ class ModelRunner:
         self.finish_layer(state)
         block = self.layers[layer]
         x = block.input_layernorm(state.hidden)
+        if state.groups is None:
+            out = self._attend(block, x, state)
+        else:
+            parts, start = [], 0
+            for g in state.groups:
+                n = g.num_tokens
+                parts.append(self._attend(block, x[start : start + n], g))
+                start += n
+            out = torch.cat(parts)
+        state.hidden = state.hidden + out
+
+    def _attend(self, block, x: torch.Tensor, state: IterationState) -> torch.Tensor:
+        """Self-attention of one (unmerged) iteration's tokens ``x``, normed."""
         cos, sin = state.rope
         if state.is_decode:
             out, _ = block.self_attn(
@@ -597,7 +665,7 @@ class ModelRunner:
                 )
                 parts.append(o[0])
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        state.hidden = state.hidden + out
+        return out
 
     def router(self, layer: int, state: IterationState) -> None:
         """Post-attention norm + gate -> per-expert queues. The shared expert (Qwen2-MoE,
@@ -660,7 +728,7 @@ class ModelRunner:
             s.num_cached = len(s.token_ids)
             s.token_ids.append(t)
         state.next_tokens = tokens
-        state.hidden = state.batch_kv = None
+        state.hidden = state.batch_kv = state.groups = None
 
     def check_kv(self, state: IterationState) -> None:
         """Every sequence's cache must now hold every token it was fed, in its first and last

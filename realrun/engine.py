@@ -61,6 +61,7 @@ class Segment:
     end_s: float
     idle_s: float
     preempted: bool
+    merged: bool = False  # ended where it merged with a suspended batch (the rest runs merged)
 
     @property
     def measured_s(self) -> float:
@@ -195,6 +196,7 @@ class RealEngine:
         start = now = clock.now()
         start_cursor = state.cursor
         stages = 0
+        partner = sched.merge_partner()
         while not state.done:
             ref = runner.step(state)
             clock.tick()
@@ -218,6 +220,15 @@ class RealEngine:
                     if trace is not None:
                         trace.segment(batch, start, now, preempted=True)
                     return
+            if partner is not None and state.cursor == partner.cursor:  # the paper's merge
+                batch.cursor = state.cursor
+                self._record(batch, start_cursor, state.cursor, start, now, False, merged=True)
+                shape = self._shapes.pop(batch.id) + self._shapes.pop(partner.id)
+                batch = sched.merge(partner, now)
+                self._shapes[batch.id] = shape  # the merged batch's segment starts here
+                start, start_cursor = now, state.cursor
+                state = batch.plan = runner.merge(state, partner.plan)
+                partner = sched.merge_partner()
         self.stages += stages
         self._record(batch, start_cursor, state.cursor, start, now, False)
         self._shapes.pop(batch.id, None)
@@ -231,9 +242,9 @@ class RealEngine:
                 self.on_finish(seq)
 
     def _record(self, batch: Batch, start_cursor: int, end_cursor: int, start_s: float,
-                end_s: float, preempted: bool) -> None:  # fmt: skip
+                end_s: float, preempted: bool, merged: bool = False) -> None:  # fmt: skip
         idle_s = max(start_s - self._idle_since, 0.0) if self._idle_since is not None else 0.0
         self._idle_since = None  # busy until the scheduler next has nothing to run
         self.segments.append(Segment(batch.id, batch.phase.value, self._shapes[batch.id],
                                      start_cursor, end_cursor, start_s, end_s, idle_s,
-                                     preempted))  # fmt: skip
+                                     preempted, merged))  # fmt: skip

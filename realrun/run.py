@@ -102,6 +102,7 @@ def execute(
         if bar:
             bar.close()
     df, summary = outputs(result.sequences, result.makespan_s, result.stages, result.wall_s, slo)
+    summary["executor"]["merges"] = scheduler.merges
     return RealOutput(df, summary, result, trace)
 
 

@@ -214,7 +214,8 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency) -> 
         measured_s = seg.measured_s
         phase_tokens = (sum(n for _, n, _ in seg.shape) if seg.phase == Phase.PREFILL.value
                         else max(c for _, _, c in seg.shape))  # fmt: skip
-        kind = "preempted" if seg.preempted else "resumed" if seg.start_cursor else "whole"
+        kind = ("preempted" if seg.preempted else "merged" if seg.merged
+                else "resumed" if seg.start_cursor else "whole")  # fmt: skip
         rows.append({"policy": policy, "rate": rate, "replay": replay, "batch": seg.batch,
                      "phase": seg.phase, "size": len(seg.shape), "tokens": phase_tokens,
                      "start_cursor": seg.start_cursor, "end_cursor": seg.end_cursor,

@@ -131,7 +131,17 @@ class Simulation:
                     yield env.timeout(switch_s)
                     self.events += 1
             run = self._run_lookup if self.mode == "lookup" else self._run_steps
-            preempted = yield from run(batch)
+            while True:
+                partner = sched.merge_partner()
+                stop = None if partner is None else partner.cursor
+                preempted = yield from run(batch, stop)
+                if preempted or stop is None:
+                    break
+                self.busy_s += env.now - start
+                if self.record_trace:  # the batch's part up to the merge; note: the partner
+                    self.trace.append((start, env.now, batch.id, "merged", partner.id))
+                start = env.now
+                batch = yield from self._merge(partner)
             self.busy_s += env.now - start
             if self.record_trace:
                 kind = "preempted" if preempted else batch.phase.value
@@ -143,23 +153,40 @@ class Simulation:
                     if self.on_finish is not None:
                         self.on_finish(seq)
 
-    def _run_lookup(self, batch: Batch):
-        """Run from the cursor to the end in one timeout; on an interrupt, run to the next
-        preemptible boundary and return True (suspend) there."""
+    def _merge(self, partner: Batch):
+        """The running batch has reached ``partner``'s cursor: merge them and plan the rest of
+        the iteration at the merged composition. The partner's saved state is restored first,
+        as on a resume. Returns the merged batch."""
+        batch = self.sched.merge(partner, self.env.now)
+        batch.plan = self.latency.plan(batch)
+        switch_s = self.latency.switch_s(partner)
+        if switch_s > 0:
+            yield self.env.timeout(switch_s)
+            self.events += 1
+        return batch
+
+    def _run_lookup(self, batch: Batch, stop: int | None = None):
+        """Run from the cursor to boundary ``stop`` (None: the end) in one timeout, leaving the
+        cursor there; on an interrupt, run to the next preemptible boundary and return True
+        (suspend) there. A stop is a suspended batch's cursor, itself a preemptible boundary,
+        so an interrupt before it suspends the batch at or before it."""
         env, plan = self.env, batch.plan
         offset = plan.offset(batch.cursor)
+        end = plan.num_stages if stop is None else stop
         start = env.now
         self._interruptible = self.sched.preemptible
         try:
-            yield env.timeout(plan.total_s - offset)
+            yield env.timeout(plan.offset(end) - offset)
             self.events += 1
             self._interruptible = False
+            if stop is not None:
+                batch.cursor = stop
             return False
         except simpy.Interrupt:
             self._interruptible = False
         elapsed = offset + (env.now - start)
         boundary = plan.next_boundary(elapsed, self.sched.granularity)
-        if boundary is None:
+        if boundary is None:  # past the last boundary: never when a stop (itself one) is ahead
             yield env.timeout(plan.total_s - elapsed)
             self.events += 1
             return False
@@ -168,12 +195,14 @@ class Simulation:
         batch.cursor = boundary
         return True
 
-    def _run_steps(self, batch: Batch):
-        """Reference path: one timeout per stage, asking the scheduler at every boundary."""
+    def _run_steps(self, batch: Batch, stop: int | None = None):
+        """Reference path: one timeout per stage up to boundary ``stop`` (None: the end),
+        asking the scheduler at every boundary."""
         env, plan = self.env, batch.plan
         allowed = set(plan.preemptible(self.sched.granularity))
         start = env.now - plan.offset(batch.cursor)
-        for boundary in range(batch.cursor + 1, plan.num_stages + 1):
+        end = plan.num_stages if stop is None else stop
+        for boundary in range(batch.cursor + 1, end + 1):
             yield env.timeout(max(0.0, start + plan.offset(boundary) - env.now))
             self.events += 1
             batch.cursor = boundary

@@ -141,6 +141,7 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
     df, summary = outputs(result.sequences, result.makespan_s, result.events, result.wall_s,
                           cfg.slo)  # fmt: skip
     df["replica"] = df["id"].map(ran.replica_of).astype("int64")
+    summary["executor"]["merges"] = sum(rep.sched.merges for rep in replicas)
     summary["cluster"] = {"replicas": n, "router": router_name,
                           "per_replica": replica_stats(ran)}  # fmt: skip
     timeline = pd.DataFrame(ran.timeline, columns=["t_s", "replica", "in_system"])

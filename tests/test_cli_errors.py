@@ -31,6 +31,7 @@ WORKLOAD = [
 POLICY = [
     (["policy.batch_size=8"], "policy.batch_size=8: unknown key; policy has"),
     (["-m", "policy=fcfs,nope"], "policy=nope: unknown policy; choose one of"),
+    (["policy=qllm", "policy.merge=maybe"], "policy=qllm: merge=maybe: must be true or false"),
 ]
 CASES = (
     [("qllm-sim", *c) for c in COMMON + WORKLOAD + POLICY]

@@ -52,11 +52,11 @@ def sweep(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def paper_results(tmp_path_factory) -> Path:
-    """sim.reproduce on a tiny grid (two experiments, two rates, two replicates, 30 jobs)."""
+    """sim.reproduce on a tiny grid (three experiments, two rates, two replicates, 30 jobs)."""
     out = tmp_path_factory.mktemp("paper")
     code = reproduce.main(["--out", str(out), "--rates", "1", "4", "--seeds", "2",
                            "--num-requests", "30", "--experiments", "paper", "uncapped",
-                           "--jobs", "1"])  # fmt: skip
+                           "merge", "--jobs", "1"])  # fmt: skip
     assert code == 0
     return out
 
@@ -220,7 +220,7 @@ def test_reproduce_writes_the_paper_directory(paper_results):
         assert key in c
     assert c["ls_ttft_reduction_avg"] > 1 and "uncapped" in c["sensitivity"]
     table = pd.read_csv(paper_results / "table.csv.gz")
-    assert set(table["experiment"]) == {"paper", "uncapped"}
+    assert set(table["experiment"]) == {"paper", "uncapped", "merge"}
     arms = {a.label for e in reproduce.EXPERIMENTS if e.name == "paper" for a in e.arms}
     assert set(table.loc[table.experiment == "paper", "policy"]) == arms
     # every point is its own workload: no two (rate, replicate) points share a seed
@@ -240,6 +240,12 @@ def test_reproduce_writes_the_paper_directory(paper_results):
     assert row.split("|")[3].strip().startswith(fmt_x(c["ls_ttft_reduction_avg"]))
     for name in [*FIGURES.values(), "granularity.png", "sensitivity.png"]:
         assert (paper_results / name).is_file(), name
+    # the merge experiment (its rates 0.5, 1, 3 kept at 1): merges only where merge=true
+    merge = table[table.experiment == "merge"]
+    assert set(merge["policy"]) == {"qllm", "qllm-merge"} and set(merge["rate"]) == {1.0}
+    assert (merge.loc[merge.policy == "qllm", "merges"] == 0).all()
+    assert set(c["merge"]["1"]["arms"]) == {"qllm", "qllm-merge"}
+    assert "## The paper's merge" in readme and "| 1 | qllm-merge |" in readme
 
 
 # The README's notebook commands: a relative QLLM_RESULTS, the executed copy written elsewhere.

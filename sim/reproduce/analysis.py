@@ -107,6 +107,36 @@ def starvation(table: pd.DataFrame) -> dict:
     return out
 
 
+def merge(table: pd.DataFrame) -> dict:
+    """Per rate, each arm's means over replicates (LS TTFT mean and p99, LS and BE turnaround,
+    BE p99 turnaround, jobs per second, merges per run), and the paired ratio merge / no merge
+    of the BE turnaround: its median and range over replicates."""
+    part = _of(table, "merge")
+    out = {}
+    for rate, pt in part.groupby("rate"):
+        row: dict = {"arms": {}}
+        for arm in _order("merge"):
+            a = pt[pt["policy"] == arm]
+            ls, be, every = a[a["cls"] == "LS"], a[a["cls"] == "BE"], a[a["cls"] == "all"]
+            row["arms"][arm] = {
+                "ls_ttft_s": float(ls["ttft_mean_s"].mean()),
+                "ls_ttft_p99_s": float(ls["ttft_p99_s"].mean()),
+                "ls_turnaround_s": float(ls["turnaround_mean_s"].mean()),
+                "be_turnaround_s": float(be["turnaround_mean_s"].mean()),
+                "be_turnaround_p99_s": float(be["turnaround_p99_s"].mean()),
+                "jobs_per_s": float(every["jobs_per_s"].mean()),
+                "merges": float(every["merges"].mean()),
+            }
+        be = pt[pt["cls"] == "BE"].pivot_table(index="replicate", columns="policy",
+                                                values="turnaround_mean_s")  # fmt: skip
+        plain, merged = _order("merge")
+        ratio = be[merged] / be[plain]
+        row["be_turnaround_ratio"] = {"median": float(ratio.median()), "min": float(ratio.min()),
+                                      "max": float(ratio.max())}  # fmt: skip
+        out[f"{rate:g}"] = row
+    return out
+
+
 def comparison(table: pd.DataFrame) -> tuple[dict, dict]:
     """(comparison.json's content, the ``where`` grid keyed by tuples for the figure)."""
     paper = _of(table, "paper")
@@ -130,6 +160,7 @@ def comparison(table: pd.DataFrame) -> tuple[dict, dict]:
         {"profile": k[0], "ls_fraction": k[1], "load": k[2], **v} for k, v in grid.items()
     ]
     result["starvation"] = starvation(table) if "starvation" in exps else {}
+    result["merge"] = merge(table) if "merge" in exps else {}
     result["engines"] = engines(table) if "engines" in exps else []
     reps = paper.groupby(["policy", "rate"])["replicate"].nunique()
     result["setup"] = {
@@ -148,6 +179,7 @@ def comparison(table: pd.DataFrame) -> tuple[dict, dict]:
     for name, key in (
         ("where", "where"),
         ("engines", "engines"),
+        ("merge", "merge"),
         ("uncapped", "sensitivity"),
         ("jobs1000", "sensitivity"),
     ):

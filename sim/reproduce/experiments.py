@@ -77,6 +77,12 @@ QLLM_AUTHORS = Arm(
     ("policy.preempt_prefill=false",),
     "the authors' code: decode batches only, checked after each router",
 )
+QLLM_MERGE = Arm(
+    "qllm-merge",
+    "qllm",
+    ("policy.merge=true",),
+    "qllm with the paper's merge: LS work joins a suspended batch at its cursor",
+)
 QLLM_LIKE = Arm("qllm-cap32-nofill", "qllm",
                 ("policy.max_in_flight=32", "policy.fill_be_prefill=false"),
                 "qllm capped at 32 in flight, no BE fill")  # fmt: skip
@@ -154,6 +160,8 @@ EXPERIMENTS = (
                axes={"profile": ("a100-mixtral-nf4-hf", FAST_PROFILE, "h100x2-mixtral-bf16"),
                      "profile.kv_capacity_tokens": ("null", "4000")},
                scale_rates=True),
+    Experiment("merge", "the paper's merge: qllm with policy.merge=true", (QLLM, QLLM_MERGE),
+               rates=(0.5, 1.0, 3.0)),
     Experiment("starvation", "BE starvation guard: qllm with policy.be_max_wait_s",
                tuple(Arm("qllm" if w is None else f"qllm-wait{w:g}", "qllm",
                          () if w is None else (f"policy.be_max_wait_s={w}",))

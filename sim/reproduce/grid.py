@@ -73,7 +73,8 @@ def run_task(exp_name: str, axis: dict, base_rate: float, replicate: int, cfgs: 
                     "replicate": replicate, "base_rate": base_rate}  # fmt: skip
         settings.update({k.split(".")[-1]: v for k, v in axis.items() if k != "profile"})
         last_arrival_s = float(out.requests["arrival_s"].max())  # where the drain starts
-        rows += [{**row, "last_arrival_s": last_arrival_s}
+        merges = out.summary["executor"]["merges"]  # batches joined (policy.merge)
+        rows += [{**row, "last_arrival_s": last_arrival_s, "merges": merges}
                  for row in summary_rows(settings, out.summary)]  # fmt: skip
         if exp_name == CDF_EXPERIMENT:
             frames.append(out.requests[["cls", "ttft_s"]].assign(**settings))

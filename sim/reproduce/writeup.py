@@ -232,6 +232,7 @@ def write_readme(c: dict, out: Path) -> Path:
         "engines": c["engines"], "engines_finding": engines_finding(c["engines"]),
         "engine_arms": list(dict.fromkeys(a for e in c["engines"] for a in e["arms"])),
         "where_reps": s.get("where_replicates", "n/a"), "starvation": c["starvation"],
+        "merge": c.get("merge", {}), "merge_reps": s.get("merge_replicates", "n/a"),
         "sens": [("paper setup (headline)", c), *sens_exps],
         "sens_rates": s.get("sensitivity_rates", "n/a"),
         "sens_reps": s.get("sensitivity_replicates", "n/a"),
