@@ -14,7 +14,10 @@ latency model:
   arrival to finish; the runner appends the greedy token of each iteration, and a sequence
   stops after exactly its request's output tokens (no EOS);
 - a sequence the scheduler preempted by recompute (``Sequence.evicted``) has its cache
-  emptied before its next iteration, which then feeds prompt + generated tokens again.
+  emptied before its next iteration, which then feeds prompt + generated tokens again;
+- a chunked prefill (``Sequence.chunk_tokens``, a mixed iteration's chunk) feeds that many
+  tokens on top of its cached prefix; the runner yields its token with the last chunk, when
+  the scheduler counts it too.
 
 On CUDA, stage boundaries are host times: kernels run asynchronously, and the host waits for
 the device only where the runner reads results back (each router's queue sizes, the tokens).
@@ -165,11 +168,16 @@ class RealEngine:
         requests, allowed = self.requests, self.allowed
         state = batch.plan
         if state is None:
-            for seq in batch.sequences:
-                if seq.evicted:  # its KV was freed (a suspended batch's partly): recompute
-                    kv = self.kv[seq.id]
-                    kv.truncate(len(kv.token_ids), 0)
-            state = batch.plan = runner.begin([self.kv[s.id] for s in batch.sequences])
+            kvs = [self.kv[s.id] for s in batch.sequences]
+            for seq, kv in zip(batch.sequences, kvs, strict=True):
+                if seq.evicted:  # its KV was freed (a suspended batch's partly): recompute,
+                    # keeping the chunks of the recomputation already fed (context_tokens)
+                    kv.truncate(len(kv.token_ids), seq.context_tokens)
+                if kv.num_cached != seq.context_tokens:
+                    raise RuntimeError(f"sequence {seq.id}: {kv.num_cached} tokens cached, the "
+                                       f"scheduler counts {seq.context_tokens}")  # fmt: skip
+            state = runner.begin(kvs, [s.chunk_tokens for s in batch.sequences])
+            batch.plan = state
             self._shapes[batch.id] = [(s.phase.value, s.new_tokens, s.context_tokens)
                                       for s in batch.sequences]  # fmt: skip
         stage_trace = trace is not None and trace.stages

@@ -107,9 +107,6 @@ def execute(
 def realrun(cfg: Any) -> RealOutput:
     """The ``qllm-realrun`` pipeline."""
     validate_realrun(cfg)
-    if cfg.policy.get("enable_chunked_prefill"):
-        raise UserError("policy.enable_chunked_prefill=true: must be false for the real engine "
-                        "(it runs one-phase batches)")  # fmt: skip
     runner, _ = load_model(cfg)
     requests, prompts = prepare_requests(cfg, runner)
     memory = measure_memory(runner)
@@ -119,7 +116,7 @@ def realrun(cfg: Any) -> RealOutput:
         activation_tokens_per_token=memory.activation_bytes_per_token / memory.kv_bytes_per_token,
     )
     if cfg.warmup:
-        largest_batch = min(cfg.policy.max_batch_size, len(requests))
+        largest_batch = min(scheduler.policy.max_batch_size, len(requests))
         warm_up(runner, max(r.prompt_tokens for r in requests), largest_batch)
     level = TraceLevel(cfg.trace)
     trace = None if level is TraceLevel.off else ChromeTrace(stages=level is TraceLevel.stages)
