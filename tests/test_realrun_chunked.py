@@ -21,6 +21,7 @@ from profiler.ops import ModelRunner
 from realrun.clock import VirtualClock
 from realrun.engine import RealEngine
 from realrun.prompts import build_prompts
+from realrun.validate import shape_batch
 
 BUDGET_TOKENS = 16  # max_num_batched_tokens: most prompts below take 2-4 iterations
 
@@ -82,6 +83,10 @@ def test_chunked_prefill_generates_exactly_the_greedy_tokens(f64, scheduling_pol
     assert max(sum(n for n, *_ in b) for b in batches) <= BUDGET_TOKENS
     if paged:
         assert sched.recomputes >= 1 and sched.kv_used_tokens == 0
+    # qllm-validate rebuilds each recorded iteration, chunks with their cached prefix
+    for seg in result.segments:
+        rebuilt = shape_batch(seg.phase, seg.shape).sequences
+        assert [(q.phase.value, q.new_tokens, q.context_tokens) for q in rebuilt] == seg.shape
 
 
 def test_the_cli_runs_vllm_with_chunked_prefill(tmp_path):
