@@ -58,12 +58,15 @@ def test_chunked_prefill_generates_exactly_the_greedy_tokens(f64, scheduling_pol
     memory = PagedMemory(100, block_size_tokens=4, watermark=0.0) if paged else None
     sched = Scheduler(policy, kv_capacity_tokens=100 if paged else 100_000, memory=memory)
     batches = []  # per iteration: (tokens fed, tokens cached before, prompt tokens) per sequence
+    recomputed = []  # (tokens fed, tokens cached before) of sequences re-prefilling after eviction
     begin = runner.begin
 
     def recording_begin(kvs, chunk_tokens=None):
         state = begin(kvs, chunk_tokens)
         batches.append([(n, kv.num_cached, kv.num_prompt)
                         for kv, n in zip(kvs, state.feed, strict=True)])  # fmt: skip
+        recomputed.extend((n, kv.num_cached) for kv, n in zip(kvs, state.feed, strict=True)
+                          if kv.key.evicted)  # fmt: skip
         return state
 
     runner.begin = recording_begin
@@ -81,8 +84,10 @@ def test_chunked_prefill_generates_exactly_the_greedy_tokens(f64, scheduling_pol
     mixed = [b for b in batches if any(c >= p for _, c, p in b) and any(c < p for _, c, p in b)]
     assert len(mixed) >= 5
     assert max(sum(n for n, *_ in b) for b in batches) <= BUDGET_TOKENS
-    if paged:
+    if paged:  # recomputations chunked too: later chunks keep the recomputed prefix
         assert sched.recomputes >= 1 and sched.kv_used_tokens == 0
+        assert any(cached == 0 for _, cached in recomputed)
+        assert any(cached > 0 for _, cached in recomputed)
     # qllm-validate rebuilds each recorded iteration, chunks with their cached prefix
     for seg in result.segments:
         rebuilt = shape_batch(seg.phase, seg.shape).sequences
