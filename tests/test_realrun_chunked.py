@@ -23,20 +23,25 @@ from realrun.engine import RealEngine
 from realrun.prompts import build_prompts
 from realrun.validate import shape_batch
 
-BUDGET_TOKENS = 16  # max_num_batched_tokens: most prompts below take 2-4 iterations
+BUDGET_TOKENS = 16  # max_num_batched_tokens: most prompts below take several iterations
+
+
+def workload() -> tuple[list[Request], dict[int, list[int]]]:
+    """Prompts up to 48 tokens, LS arrivals while BE requests decode."""
+    be = [Request(i, BE, 0.01 * i, 9 + (13 * i) % 40, 4 + i % 5) for i in range(8)]
+    ls = [Request(8 + j, LS, 0.05 + 0.04 * j, 2 + (11 * j) % 37, 1 + j % 3) for j in range(6)]
+    return build_prompts(be + ls, 512, max_prompt_tokens=48, seed=0)
 
 
 @pytest.fixture(scope="module")
 def f64():
     """float64 tiny-mixtral with large random weights (greedy tokens depend on the whole
-    context), prompts up to 48 tokens, LS arrivals while BE requests decode."""
+    context), the workload and its greedy reference tokens."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
                            dtype="float64", seed=3)  # fmt: skip
-    be = [Request(i, BE, 0.01 * i, 9 + (13 * i) % 40, 4 + i % 5) for i in range(8)]
-    ls = [Request(8 + j, LS, 0.05 + 0.04 * j, 2 + (11 * j) % 37, 1 + j % 3) for j in range(6)]
-    requests, prompts = build_prompts(be + ls, 512, max_prompt_tokens=48, seed=0)
+    requests, prompts = workload()
     reference = {
         r.id: model.generate(torch.tensor([prompts[r.id]]), do_sample=False,
                              max_new_tokens=r.output_tokens)[0, r.prompt_tokens :].tolist()
@@ -108,3 +113,22 @@ def test_the_cli_runs_vllm_with_chunked_prefill(tmp_path):
     # 5 prompts of 40 tokens under a 16-token budget take at least 200 / 16 iterations, of
     # tiny-mixtral's 42 stages each (one-phase batches would need as few as 3)
     assert summary["executor"]["events"] >= 13 * 42
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_chunked_prefill_exact_tokens_on_cuda():
+    model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
+                           device="cuda", dtype="float64", seed=3)  # fmt: skip
+    requests, prompts = workload()
+    policy = VLLM(max_num_seqs=8, max_num_batched_tokens=BUDGET_TOKENS,
+                  scheduling_policy="priority", enable_chunked_prefill=True)  # fmt: skip
+    sched = Scheduler(policy, kv_capacity_tokens=100_000)
+    result = RealEngine(requests, prompts, sched, ModelRunner(model), VirtualClock(1e-3)).run()
+    for r in requests:
+        ref = model.generate(
+            torch.tensor([prompts[r.id]], device="cuda"),
+            do_sample=False,
+            max_new_tokens=r.output_tokens,
+        )[0, r.prompt_tokens :].tolist()
+        assert result.tokens[r.id] == ref
