@@ -237,7 +237,8 @@ class IterationState:
     """Everything an unfinished iteration holds; survives any pause at a stage boundary."""
 
     sequences: list[KVSequence]
-    feed: list[int]  # tokens each sequence feeds (all its uncached ones, or a chunk of them)
+    # tokens each sequence feeds (all its uncached ones, or a chunk of them)
+    feed: list[int] = field(default_factory=list)
     cursor: int = 0  # stages executed so far (flat index of the next stage)
     offsets: list[int] = field(default_factory=list)  # sequence i's tokens: [o[i], o[i+1])
     is_decode: bool = False  # every sequence feeds exactly one token: batched attention
@@ -371,6 +372,8 @@ class ModelRunner:
         while not state.done:
             runner.step(state)              # may stop after any step, resume later
         state.next_tokens                   # also appended to each sequence's token_ids
+        runner.begin(seqs, [16, 0])         # seqs[0] feeds a chunk of 16 of its uncached
+                                            # tokens over its cache (no token unless the last)
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
