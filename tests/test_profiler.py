@@ -114,6 +114,7 @@ def test_user_errors_are_one_line(capsys, monkeypatch, tmp_path):
     assert "unknown model" in user_error(capsys, monkeypatch, "model=tiny-gpt", out)
     assert "not a directory" in user_error(capsys, monkeypatch, "model.path=/no/such/dir", out)
     assert "grid.decode_batch" in user_error(capsys, monkeypatch, "grid.decode_batch=[0]", out)
+    assert "grid.chunk_kv" in user_error(capsys, monkeypatch, "grid.chunk_kv=[0]", out)
     assert "dtype" in user_error(capsys, monkeypatch, "dtype=float8", out)
     if not torch.cuda.is_available():
         assert "CUDA" in user_error(capsys, monkeypatch, "device=cuda", out)
