@@ -20,22 +20,22 @@ v0.9-v0.11 releases):
   V1 only recomputes; ``memory.preemption=swap`` gives V0's swap preemption instead (a
   swapped-out request is swapped back in when it is admitted again, before new prompts).
 
-- ``enable_chunked_prefill`` (vLLM's default is true; ours false, the form the real engine
-  runs): one step is one mixed iteration. The
-  running requests come first, in admission order, each taking one decode token, or the next
-  chunk of its prompt (as much as the budget leaves) when its prefill is unfinished; then
-  waiting requests, each taking a chunk of what is left. A prompt is thus split over several
-  iterations, and its first token comes with its last chunk. False: a step that admits requests
-  runs as a decode iteration of the running requests followed by a prefill iteration of the
-  admitted ones (a batch is then one phase), and a prompt longer than the token budget is
-  admitted alone.
+- ``enable_chunked_prefill`` (vLLM's default is true; ours false): one step is one mixed
+  iteration. The running requests come first, in admission order, each taking one decode
+  token, or the next chunk of its prompt (as much as the budget leaves) when its prefill is
+  unfinished; then waiting requests, each taking a chunk of what is left. A prompt is thus
+  split over several iterations, and its first token comes with its last chunk. False: a step
+  that admits requests runs as a decode iteration of the running requests followed by a
+  prefill iteration of the admitted ones (a batch is then one phase), and a prompt longer than
+  the token budget is admitted alone.
 
-Not modelled: prefix caching, speculative decoding, ``long_prefill_token_threshold``, and the
-attention of a chunk over its cached prefix (the latency model costs a chunk's attention as a
-prefill of its own tokens). Growth preemptions are decided after a step is chosen (when its
-batch is charged), so "a step that preempted admits nothing" applies to the step after it.
+Not modelled: prefix caching, speculative decoding, ``long_prefill_token_threshold``. A
+chunk's attention over its cached prefix costs the profile's ``attn_chunk`` (a prefill of its
+own tokens in a profile without it). Growth preemptions are decided after a step is chosen
+(when its batch is charged), so "a step that preempted admits nothing" applies to the step
+after it.
 Memory is the configured model (``memory.model``; vLLM's own is ``paged``). The real engine
-runs the one-phase form only.
+runs both forms.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ than inside an iteration, where the rest of the model streamed through the cache
   iteration, which is what mean TTFT and turnaround are made of);
 - every expert stage of both gives a sample of ``expert(n)``, n its queue size; samples are
   pooled in bins around ``grid.expert_tokens`` (a point per bin: median n, median time);
+- ``attn_chunk(n, kv)`` (``grid.chunk_kv``, optional): iterations of one sequence feeding a
+  chunk of n tokens (``grid.prefill_tokens``) over kv tokens it already cached; only their
+  attention stages are filed (router and experts see n tokens, as in a prefill of n).
+  ``attn_chunk(n, 0)`` is ``attn_prefill(n)``'s samples: a chunk over no prefix is a prefill;
 - ``wake_up(idle_ms)``: for each idle time of ``wake.idle_ms``, ``wake.repeats`` times: a
   decode step of one sequence repeated back to back (the warm time of ``WAKE_STEPS`` steps),
   then the device left idle that long, then the same steps again; the wake-up is the median
@@ -80,6 +84,7 @@ class Settings:
     seed: int = 0
     wake_idle_ms: tuple[int, ...] = (2, 10, 50, 200, 1000)  # empty: no wake_up op
     wake_repeats: int = 3
+    chunk_kv: tuple[int, ...] = ()  # cached prefixes under each chunk; empty: no attn_chunk
 
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:
@@ -93,6 +98,7 @@ class Settings:
             routing_prompt_tokens=int(routing["prompt_tokens"]),
             seed=int(cfg["seed"]),
         )
+        out.chunk_kv = tuple(sorted({int(x) for x in grid.get("chunk_kv") or ()}))
         wake = cfg.get("wake")
         if wake is not None:
             out.wake_idle_ms = tuple(sorted({int(x) for x in wake["idle_ms"]}))
@@ -111,13 +117,16 @@ class Settings:
             raise SettingsError(f"clock={self.clock}: expected one of {', '.join(CLOCKS)}")
         if self.routing_prompts < 1 or self.routing_prompt_tokens < 1:
             raise SettingsError("routing.prompts and routing.prompt_tokens must be >= 1")
+        if self.chunk_kv and min(self.chunk_kv) < 1:
+            raise SettingsError("grid.chunk_kv must be integers >= 1 (or empty)")
         if self.wake_idle_ms and (min(self.wake_idle_ms) < 1 or self.wake_repeats < 1):
             raise SettingsError("wake.idle_ms must be integers >= 1 and wake.repeats >= 1")
 
     @property
     def num_iterations(self) -> int:
         """Iteration shapes profiled (the progress bar's length)."""
-        return len(self.prefill_tokens) + len(self.decode_batch) * len(self.decode_kv)
+        decode = len(self.decode_batch) * len(self.decode_kv)
+        return len(self.prefill_tokens) * (1 + len(self.chunk_kv)) + decode
 
 
 @dataclass
@@ -233,6 +242,14 @@ class Profiler:
     def prefill(self, n: int) -> None:
         self.record(self.repeat(self.prompts([n])), num_tokens=n)
 
+    def chunk(self, n: int, kv: int) -> None:
+        """A chunk of n tokens over kv cached: only its attention is filed (``attn_chunk``)."""
+        seqs = self.prompts([kv + n])
+        self.runner.run(self.runner.begin(seqs, [kv]))  # the prefix: kv cached, n to feed
+        for _, stages in self.repeat(seqs):
+            self.samples[("attn_chunk", 0, n, kv)] += [st.ms for st in stages
+                                                       if st.ref.stage == "attention"]  # fmt: skip
+
     def decode(self, batch: int, kv: int) -> None:
         # Contexts spread from kv/2 up to kv: in a real decode batch they differ, and the runner
         # then pads them to the longest (the latency model reads attn_decode at the max), a
@@ -260,6 +277,13 @@ class Profiler:
         for n in s.prefill_tokens:
             self.prefill(n)
             bar.update()
+            if s.chunk_kv:
+                self.samples[("attn_chunk", 0, n, 0)] = list(
+                    self.samples[("attn_prefill", 0, n, 0)]
+                )
+            for kv in s.chunk_kv:
+                self.chunk(n, kv)
+                bar.update()
         for kv in s.decode_kv:
             for b in s.decode_batch:
                 self.decode(b, kv)

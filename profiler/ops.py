@@ -23,10 +23,14 @@ index. Weighting and scatter-adding all experts' outputs there, in one op each, 
 stepped layer 3 x E fewer small ops than doing it expert by expert.
 
 Every sequence owns its KV cache (a ``DynamicCache`` of ``GrowingLayer``s): sequences join and
-leave batches freely.
-Prefill attention runs sequence by sequence (pad-free, the profile's ``attn_prefill`` is per
-sequence); decode attention runs once for the whole batch, on one right-padded buffer per
-layer that holds the batch's caches as rows (``_PaddedKV``, kept while the batch decodes on).
+leave batches freely. A sequence feeds its uncached tokens, or only a chunk of them (chunked
+prefill: ``begin``'s ``chunk_tokens``) on top of its cached prefix; a chunk that leaves tokens
+uncached produces no token. One iteration may mix decode steps and prefill chunks.
+A sequence feeding several tokens runs its attention on its own (pad-free, over its cached
+prefix and causal within the chunk: the profile's ``attn_prefill`` and ``attn_chunk`` are per
+sequence); the sequences feeding one token each (decode steps) run theirs once for all of
+them, on one right-padded buffer per layer that holds their caches as rows (``_PaddedKV``,
+kept while the same sequences decode on).
 Norms, router, experts and lm_head always run once on all the batch's tokens. The model's own
 modules do the work (norms, attention, gate, expert weights), so the runner matches
 ``model.generate`` token for token. No layer issues a tensor op per sequence in decode, and
@@ -153,8 +157,8 @@ class KVSequence:
     """One sequence's tokens and KV cache (its own, for its whole life).
 
     ``token_ids`` holds the prompt and every generated token; ``num_cached`` of them are in the
-    cache. The next iteration feeds ``token_ids[num_cached:]``: the whole prompt for a prefill,
-    the last generated token for a decode step.
+    cache. The next iteration feeds ``token_ids[num_cached:]`` (the whole prompt for a prefill,
+    the last generated token for a decode step), or the first tokens of it (a prefill chunk).
     """
 
     def __init__(self, token_ids: list[int], cache: DynamicCache, key: object = None) -> None:
@@ -280,18 +284,24 @@ class IterationState:
     """Everything an unfinished iteration holds; survives any pause at a stage boundary."""
 
     sequences: list[KVSequence]
+    # tokens each sequence feeds (all its uncached ones, or a chunk of them)
+    feed: list[int] = field(default_factory=list)
     cursor: int = 0  # stages executed so far (flat index of the next stage)
     offsets: list[int] = field(default_factory=list)  # sequence i's tokens: [o[i], o[i+1])
     is_decode: bool = False  # every sequence feeds exactly one token: batched attention
+    # sequences feeding one token in a batch where others feed more (a mixed iteration): their
+    # attention runs batched, over these rows of the batch's tokens (None: no such sequence)
+    decode_rows: torch.Tensor | None = None
+    decode_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # those rows' [B, 1, d]
     hidden: torch.Tensor | None = None  # residual stream [T, H]
     moe_out: torch.Tensor | None = None  # a dense layer's MLP output [T, H]
     shared_out: torch.Tensor | None = None  # shared expert output [T, H]
     routing: Routing | None = None
     pending_layer: int = -1  # layer whose MoE output is not yet in ``hidden``
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    masks: list | None = None  # per sequence (prefill) or one batch mask (decode)
-    batch_kv: _BatchKV | None = None  # decode only: the batch's caches for attention
-    next_tokens: list[int] | None = None  # set by lm_head
+    masks: list | None = None  # per sequence feeding several tokens; the decode rows' last
+    batch_kv: _BatchKV | None = None  # the decode rows' caches for batched attention
+    next_tokens: list[int | None] | None = None  # set by lm_head (None: a partial chunk)
     # A merged iteration (``ModelRunner.merge``): the iterations it joined, in token order,
     # each keeping what its own attention needs (offsets, rope, masks, batch KV); the merged
     # state holds the token-wise tensors (residual stream, queues) of all of them.
@@ -303,7 +313,7 @@ class IterationState:
 
     @property
     def num_tokens(self) -> int:
-        return self.offsets[-1] if self.offsets else sum(s.num_new for s in self.sequences)
+        return sum(self.feed)
 
     @property
     def done(self) -> bool:
@@ -413,6 +423,8 @@ class ModelRunner:
         while not state.done:
             runner.step(state)              # may stop after any step, resume later
         state.next_tokens                   # also appended to each sequence's token_ids
+        runner.begin(seqs, [16, 0])         # seqs[0] feeds a chunk of 16 of its uncached
+                                            # tokens over its cache (no token unless the last)
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -496,13 +508,24 @@ class ModelRunner:
         cache.layers = [GrowingLayer(capacity) for _ in cache.layers]
         return KVSequence(token_ids, cache, key)
 
-    def begin(self, sequences: list[KVSequence]) -> IterationState:
-        """A new iteration for these sequences (nothing runs until the first ``step``)."""
+    def begin(
+        self, sequences: list[KVSequence], chunk_tokens: list[int] | None = None
+    ) -> IterationState:
+        """A new iteration for these sequences (nothing runs until the first ``step``).
+        ``chunk_tokens[i]``: the tokens sequence i feeds on top of its cache (0, or no list:
+        all its uncached tokens); fewer than those is a prefill chunk, which yields no token."""
         if not sequences:
             raise RunnerError("an iteration needs at least one sequence")
+        if chunk_tokens is None:
+            chunk_tokens = [0] * len(sequences)
+        if len(chunk_tokens) != len(sequences):
+            raise RunnerError("chunk_tokens needs one entry per sequence")
         if any(s.num_new < 1 for s in sequences):
             raise RunnerError("every sequence needs a new token to feed")
-        return IterationState(sequences=list(sequences))
+        if any(not 0 <= c <= s.num_new for s, c in zip(sequences, chunk_tokens, strict=True)):
+            raise RunnerError("a chunk must be 0 (all) up to the sequence's uncached tokens")
+        feed = [c or s.num_new for s, c in zip(sequences, chunk_tokens, strict=True)]
+        return IterationState(sequences=list(sequences), feed=feed)
 
     def next_stage(self, state: IterationState) -> StageRef:
         return self._refs[state.cursor]
@@ -538,6 +561,7 @@ class ModelRunner:
         groups = (first.groups or [first]) + (second.groups or [second])
         merged = IterationState(
             sequences=first.sequences + second.sequences,
+            feed=first.feed + second.feed,
             cursor=first.cursor,
             offsets=first.offsets + [shift + o for o in second.offsets[1:]],
             is_decode=first.is_decode and second.is_decode,
@@ -569,9 +593,9 @@ class ModelRunner:
         """Embeddings, positions, rotary tables and attention masks for the whole iteration."""
         seqs = state.sequences
         offsets, ids, positions = [0], [], []
-        for s in seqs:
-            ids += s.token_ids[s.num_cached :]
-            positions += range(s.num_cached, len(s.token_ids))
+        for s, n in zip(seqs, state.feed, strict=True):
+            ids += s.token_ids[s.num_cached : s.num_cached + n]
+            positions += range(s.num_cached, s.num_cached + n)
             offsets.append(len(ids))
         state.offsets = offsets
         state.is_decode = offsets[-1] == len(seqs)
@@ -581,13 +605,26 @@ class ModelRunner:
         cos, sin = self.rotary(state.hidden, pos)
         if state.is_decode:  # [1, B, d] -> [B, 1, d]: one query per sequence
             state.rope = (cos.transpose(0, 1), sin.transpose(0, 1))
-            lengths = [s.num_cached + 1 for s in seqs]
-            state.masks = [self._decode_mask(lengths, pos[0])]
-            padded = self._padded_kv(state.sequences, max(lengths))
-            state.batch_kv = _BatchKV(padded, seqs, lengths, pos[0])
-        else:
-            state.rope = (cos, sin)
-            state.masks = [self._prefill_mask(state, i) for i in range(len(seqs))]
+            state.masks = [self._batch_kv(state, seqs, pos[0])]
+            return
+        state.rope = (cos, sin)
+        state.masks = [self._prefill_mask(state, i) if n > 1 else None
+                       for i, n in enumerate(state.feed)]  # fmt: skip
+        ones = [i for i, n in enumerate(state.feed) if n == 1]
+        if ones:  # a mixed iteration: the decode steps' attention still runs batched
+            rows = torch.tensor([offsets[i] for i in ones], device=self.device)
+            state.decode_rows = rows
+            state.decode_rope = (cos[0, rows][:, None], sin[0, rows][:, None])
+            decoders = [seqs[i] for i in ones]
+            state.masks.append(self._batch_kv(state, decoders, pos[0].index_select(0, rows)))
+
+    def _batch_kv(self, state: IterationState, seqs: list[KVSequence], positions: torch.Tensor):
+        """Set up batched attention for sequences feeding one token each (at ``positions``,
+        their cached lengths, on the device): ``state.batch_kv``; returns their padding mask."""
+        lengths = [s.num_cached + 1 for s in seqs]
+        padded = self._padded_kv(seqs, max(lengths))
+        state.batch_kv = _BatchKV(padded, seqs, lengths, positions)
+        return self._decode_mask(lengths, positions)
 
     def _padded_kv(self, seqs: list[KVSequence], num_tokens: int) -> _PaddedKV:
         """The batch's padded KV with room for ``num_tokens``: the last one, or a new one."""
@@ -654,9 +691,12 @@ class ModelRunner:
             )
             out = out[:, 0]
         else:
+            rows = state.decode_rows
             parts = []
             for i, s in enumerate(state.sequences):
                 a, b = state.offsets[i], state.offsets[i + 1]
+                if rows is not None and b - a == 1:
+                    continue  # a decode step of a mixed iteration: batched below
                 o, _ = block.self_attn(
                     hidden_states=x[None, a:b],
                     position_embeddings=(cos[:, a:b], sin[:, a:b]),
@@ -664,7 +704,19 @@ class ModelRunner:
                     **{self._attn_cache_kw: s.cache},
                 )
                 parts.append(o[0])
-            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if rows is None:
+                out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            else:  # the decode steps' rows in one copy, each chunk's into its own rows
+                o, _ = block.self_attn(
+                    hidden_states=x.index_select(0, rows)[:, None],
+                    position_embeddings=state.decode_rope,
+                    attention_mask=state.masks[-1],
+                    **{self._attn_cache_kw: state.batch_kv},
+                )
+                out = torch.empty_like(x).index_copy_(0, rows, o[:, 0])
+                chunks = [i for i, n in enumerate(state.feed) if n > 1]
+                for i, part in zip(chunks, parts, strict=True):
+                    out[state.offsets[i] : state.offsets[i + 1]] = part
         return out
 
     def router(self, layer: int, state: IterationState) -> None:
@@ -716,19 +768,29 @@ class ModelRunner:
         state.pending_layer = -1
 
     def lm_head(self, state: IterationState) -> None:
-        """Final norm + lm_head + greedy argmax at each sequence's last position; the tokens
-        are appended to the sequences, whose caches now hold everything they were fed."""
+        """Final norm + lm_head + greedy argmax at the last position of each sequence that fed
+        all its uncached tokens; the tokens are appended to those sequences. Every cache now
+        holds everything it was fed; a partial chunk's sequence gets no token (None)."""
         self.finish_layer(state)
+        seqs = state.sequences
+        for s, n in zip(seqs, state.feed, strict=True):
+            s.num_cached += n
         self.check_kv(state)
-        last = state.hidden if state.is_decode else state.hidden[[o - 1 for o in state.offsets[1:]]]
-        logits = self.lm_head_module(self.norm(last))
-        # generate() takes the argmax of float32 logits: the same cast gives the same ties.
-        tokens = logits.float().argmax(dim=-1).tolist()
-        for s, t in zip(state.sequences, tokens, strict=True):
-            s.num_cached = len(s.token_ids)
-            s.token_ids.append(t)
-        state.next_tokens = tokens
-        state.hidden = state.batch_kv = state.groups = None
+        whole = [i for i, s in enumerate(seqs) if s.num_cached == len(s.token_ids)]
+        next_tokens: list[int | None] = [None] * len(seqs)
+        if whole:
+            if len(whole) == len(seqs) and state.is_decode:
+                last = state.hidden
+            else:
+                last = state.hidden[[state.offsets[i + 1] - 1 for i in whole]]
+            logits = self.lm_head_module(self.norm(last))
+            # generate() takes the argmax of float32 logits: the same cast gives the same ties.
+            for i, t in zip(whole, logits.float().argmax(dim=-1).tolist(), strict=True):
+                seqs[i].token_ids.append(t)
+                next_tokens[i] = t
+        state.next_tokens = next_tokens
+        state.hidden = state.batch_kv = state.decode_rows = state.decode_rope = None
+        state.groups = None
 
     def check_kv(self, state: IterationState) -> None:
         """Every sequence's cache must now hold every token it was fed, in its first and last
@@ -737,7 +799,7 @@ class ModelRunner:
         wrong tokens and decode attention timed over one token."""
         first, last = 0, self.num_layers - 1
         for s in state.sequences:
-            fed = len(s.token_ids)
+            fed = s.num_cached
             for layer in (first, last):
                 held = s.cache.layers[layer].get_seq_length()
                 if held != fed:

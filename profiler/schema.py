@@ -63,6 +63,13 @@ op                        key columns (others are 0)     what was timed
                                                          of one token per sequence
 ``step_overhead``         batch_size                     per-iteration framework cost:
                                                          embeddings, input preparation, Python
+``attn_chunk``            num_tokens, kv_tokens          optional: one sequence's prefill
+                                                         chunk of num_tokens over kv_tokens
+                                                         already cached (chunked prefill),
+                                                         through a layer's norm + attention;
+                                                         kv_tokens = 0 is ``attn_prefill``;
+                                                         absent: a chunk costs as a prefill
+                                                         of its own tokens
 ``attn_prefill_batch``    batch_size, num_tokens         optional: a prefill batch of
                                                          batch_size prompts, num_tokens in
                                                          all, through a layer's norm +
@@ -102,10 +109,11 @@ OPS: dict[str, tuple[str, ...]] = {
     "lm_head": ("batch_size",),
     "step_overhead": ("batch_size",),
     "attn_prefill_batch": ("batch_size", "num_tokens"),
+    "attn_chunk": ("num_tokens", "kv_tokens"),
     "preempt_switch": ("num_tokens",),
     "wake_up": ("idle_ms",),
 }
-OPTIONAL_OPS = frozenset({"attn_prefill_batch", "preempt_switch", "wake_up"})
+OPTIONAL_OPS = frozenset({"attn_prefill_batch", "attn_chunk", "preempt_switch", "wake_up"})
 PREFILL_ATTENTION = ("per_prompt", "batched")
 # Ops whose samples repeat one shape (all layers of a few identical iterations). Expert points
 # pool different queue sizes and step_overhead is one residual per shape: their spread is not

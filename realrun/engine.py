@@ -18,6 +18,9 @@ latency model:
   preempted by swap has its cache copied to CPU memory (``KVSequence.to_host``) as soon as
   the scheduler's decision returns, and back before its next iteration, which then feeds the
   one token whose KV was not written.
+- a chunked prefill (``Sequence.chunk_tokens``, a mixed iteration's chunk) feeds that many
+  tokens on top of its cached prefix; the runner yields its token with the last chunk, when
+  the scheduler counts it too.
 
 On CUDA, stage boundaries are host times: kernels run asynchronously, and the host waits for
 the device only where the runner reads results back (each router's queue sizes, the tokens).
@@ -182,14 +185,19 @@ class RealEngine:
         requests, allowed = self.requests, self.allowed
         state = batch.plan
         if state is None:
-            for seq in batch.sequences:
+            kvs = [self.kv[s.id] for s in batch.sequences]
+            for seq, kv in zip(batch.sequences, kvs, strict=True):
                 if seq.evicted:  # its KV left: swapped back in, or freed (recompute)
-                    kv = self.kv[seq.id]
                     if kv.on_host:
                         kv.to_device()
-                    # a suspended batch's partial writes go: what the scheduler kept stays
-                    kv.truncate(len(kv.token_ids), seq.prefilled_tokens)
-            state = batch.plan = runner.begin([self.kv[s.id] for s in batch.sequences])
+                    # a suspended batch's partial writes go: what the scheduler kept stays (a
+                    # swapped sequence's KV, the chunks of a recomputation already fed)
+                    kv.truncate(len(kv.token_ids), seq.context_tokens)
+                if kv.num_cached != seq.context_tokens:
+                    raise RuntimeError(f"sequence {seq.id}: {kv.num_cached} tokens cached, the "
+                                       f"scheduler counts {seq.context_tokens}")  # fmt: skip
+            state = runner.begin(kvs, [s.chunk_tokens for s in batch.sequences])
+            batch.plan = state
             self._shapes[batch.id] = [(s.phase.value, s.new_tokens, s.context_tokens)
                                       for s in batch.sequences]  # fmt: skip
         stage_trace = trace is not None and trace.stages

@@ -109,9 +109,6 @@ def execute(
 def realrun(cfg: Any) -> RealOutput:
     """The ``qllm-realrun`` pipeline."""
     validate_realrun(cfg)
-    if cfg.policy.get("enable_chunked_prefill"):
-        raise UserError("policy.enable_chunked_prefill=true: must be false for the real engine "
-                        "(it runs one-phase batches)")  # fmt: skip
     runner, _ = load_model(cfg)
     requests, prompts = prepare_requests(cfg, runner)
     memory = measure_memory(runner)

@@ -170,8 +170,10 @@ def shape_batch(phase: str, shape: list[tuple[str, int, int]]) -> Batch:
     """A batch with the recorded (phase, new_tokens, context_tokens) of each sequence."""
     seqs = []
     for i, (seq_phase, new, context) in enumerate(shape):
-        if seq_phase == Phase.PREFILL.value:  # new = its prompt (+ tokens to recompute)
-            seqs.append(Sequence(Request(i, BE, 0.0, new, 2)))
+        if seq_phase == Phase.PREFILL.value:  # new = its prompt (+ tokens to recompute),
+            # or a chunk of it over `context` already cached (chunked prefill)
+            request = Request(i, BE, 0.0, context + new, 2)
+            seqs.append(Sequence(request, prefilled_tokens=context, chunk_tokens=new))
         else:  # one token on a cache of `context`: the context, then one generated token
             seq = Sequence(Request(i, BE, 0.0, max(context, 1), 2))
             seq.generated = 1

@@ -87,27 +87,30 @@ class Curve1D:
 
 
 class Curve2D:
-    """Bilinear interpolation on a (batch_size, ``key``) grid: interpolate along ``key`` for
-    each measured batch size, then along batch size (clamped below the grid, extrapolated
-    linearly and never downwards above it)."""
+    """Bilinear interpolation on a (``row_key``, ``key``) grid: interpolate along ``key`` for
+    each measured row (by default a batch size), then along the rows (clamped below the grid,
+    extrapolated linearly and never downwards above it)."""
 
-    def __init__(self, points: list[OpPoint], key: str = "kv_tokens") -> None:
-        by_batch: dict[int, list[OpPoint]] = {}
+    def __init__(
+        self, points: list[OpPoint], key: str = "kv_tokens", row_key: str = "batch_size"
+    ) -> None:
+        by_row: dict[int, list[OpPoint]] = {}
         for p in points:
-            by_batch.setdefault(p.batch_size, []).append(p)
-        self.batches = sorted(by_batch)
-        self.rows = [Curve1D(by_batch[b], key) for b in self.batches]
-        self.op = points[0].op
+            by_row.setdefault(getattr(p, row_key), []).append(p)
+        self.batches = sorted(by_row)
+        self.rows = [Curve1D(by_row[b], key) for b in self.batches]
+        self.op, self.row_key = points[0].op, row_key
         self.beyond_batch: float | None = None
 
     def extrapolations(self) -> list[str]:
         out = [line for row in self.rows for line in row.extrapolations()][-1:]
         if self.beyond_batch is not None:
-            out.append(f"{self.op} batch_size up to {self.beyond_batch:g} "
+            out.append(f"{self.op} {self.row_key} up to {self.beyond_batch:g} "
                        f"(grid ends at {self.batches[-1]})")  # fmt: skip
         return out
 
     def __call__(self, batch_size: float, kv_tokens: float) -> float:
+        """At (row, key): (batch_size, kv_tokens) by default."""
         rows = self.rows
         if len(rows) == 1:
             return rows[0].scalar(kv_tokens)
@@ -382,7 +385,9 @@ class LatencyModel:
     ``prefill_attention`` (default: the profile's own) says how a prefill batch's attention is
     costed: ``per_prompt``, the sum of ``attn_prefill`` over its prompts (one call per prompt,
     as realrun's runner does), or ``batched``, ``attn_prefill_batch`` once on (prompts, total
-    tokens) (one call over the batch, as TGI and vLLM do). ``switch_s`` is the context-switch
+    tokens) (one call over the batch, as TGI and vLLM do). A mixed iteration's prefill chunk
+    over a cached prefix costs the profile's ``attn_chunk`` (prefix, chunk) when it has that
+    op, else ``attn_prefill`` of the chunk's own tokens. ``switch_s`` is the context-switch
     cost a suspended batch pays when it resumes: the profile's ``preempt_switch`` at the batch's
     new tokens, 0 for a profile without that op."""
 
@@ -414,6 +419,9 @@ class LatencyModel:
             )
         self.attn_prefill_batch = Curve2D(batch_points, "num_tokens") if batch_points else None
         self.prefill_batched = self.prefill_attention == "batched"
+        chunk_points = profile.op_points("attn_chunk")
+        self.attn_chunk = (Curve2D(chunk_points, "num_tokens", row_key="kv_tokens")
+                           if chunk_points else None)  # fmt: skip
         switch_points = profile.op_points("preempt_switch")
         self.switch = Curve1D(switch_points, "num_tokens") if switch_points else None
         wake_points = profile.op_points("wake_up")
@@ -424,7 +432,7 @@ class LatencyModel:
 
     def curves(self) -> list[Curve1D | Curve2D]:
         curves = [self.attn_prefill, self.attn_decode, self.router, self.expert, self.lm_head]
-        curves += [self.overhead, self.attn_prefill_batch, self.switch]
+        curves += [self.overhead, self.attn_prefill_batch, self.attn_chunk, self.switch]
         return [c for c in curves if c is not None]
 
     def extrapolations(self) -> list[str]:
@@ -448,16 +456,23 @@ class LatencyModel:
             if self.prefill_batched:
                 return self.attn_prefill_batch(batch.size, batch.new_tokens)
             return sum(self.attn_prefill.scalar(s.new_tokens) for s in batch.sequences)
-        if batch.phase is Phase.MIXED:  # a chunk over a cached prefix: costed as its own tokens
+        if batch.phase is Phase.MIXED:  # prefill chunks one by one, decode steps batched
             pre = [s for s in batch.sequences if s.phase is Phase.PREFILL]
             dec = [s for s in batch.sequences if s.phase is Phase.DECODE]
-            t = sum(self.attn_prefill.scalar(s.new_tokens) for s in pre)
+            t = sum(self.chunk_attention_s(s.context_tokens, s.new_tokens) for s in pre)
             if dec:
                 t += self.attn_decode(len(dec), max(s.context_tokens for s in dec))
             return t
         # decode attention runs on the batch's caches right-padded to the longest context
         kv = max(s.context_tokens for s in batch.sequences)
         return self.attn_decode(batch.size, kv)
+
+    def chunk_attention_s(self, prefix_tokens: int, chunk_tokens: int) -> float:
+        """A prefill chunk's attention over its cached prefix: ``attn_chunk`` when the profile
+        has it, else a prefill of the chunk's own tokens (the prefix unread)."""
+        if prefix_tokens and self.attn_chunk is not None:
+            return self.attn_chunk(prefix_tokens, chunk_tokens)
+        return self.attn_prefill.scalar(chunk_tokens)
 
     def _expert_times(self, counts: np.ndarray) -> np.ndarray:
         return np.where(counts > 0, self.expert(counts), self.expert_idle_s)

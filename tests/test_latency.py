@@ -229,3 +229,28 @@ def test_large_token_counts_sum_pool_samples_with_the_exact_spread():
     assert np.all(counts.sum(axis=-1) == 400)
     assert counts.mean() == pytest.approx(50, abs=0.1)
     assert counts.var() == pytest.approx(37.5, rel=0.05)
+
+
+# attn_chunk (chunk tokens, cached prefix): 1 ms + 1 us per chunk token + 10 us per prefix token
+CHUNK = [OpPoint("attn_chunk", num_tokens=n, kv_tokens=kv, median_ms=1 + n / 1e3 + kv / 1e2)
+         for n in (1, 64) for kv in (0, 1000)]  # fmt: skip
+
+
+def mixed_with_a_chunk(prefix_tokens: int) -> Batch:
+    """Two decodes (contexts 9 and 19) and a 32-token chunk over ``prefix_tokens`` cached."""
+    decodes = [Sequence(Request(i, "LS", 0.0, 10 * i - 1, 4), generated=1) for i in (1, 2)]
+    chunk = Sequence(Request(3, "BE", 0.0, 200, 4), prefilled_tokens=prefix_tokens,
+                     chunk_tokens=32)  # fmt: skip
+    return Batch([*decodes, chunk], Phase.MIXED)
+
+
+def test_a_mixed_batch_costs_its_chunk_over_the_cached_prefix():
+    """With attn_chunk: the chunk of 32 over 100 cached costs 1 + 0.032 + 1 ms, plus the two
+    decodes' batched attention (linear_profile: 1 ms); without it, or over no prefix, the chunk
+    costs as a prefill of 32 tokens (linear_profile: 1 ms)."""
+    chunked = LatencyModel(with_points(linear_profile(), *CHUNK))
+    assert chunked.plan(mixed_with_a_chunk(100)).attention_s == pytest.approx(3.032e-3)
+    assert chunked.plan(mixed_with_a_chunk(0)).attention_s == pytest.approx(2.0e-3)
+    without = LatencyModel(linear_profile())
+    assert without.plan(mixed_with_a_chunk(100)).attention_s == pytest.approx(2.0e-3)
+    assert "attn_chunk" in {c.op for c in chunked.curves()}

@@ -135,6 +135,40 @@ def test_one_token_prompts_take_the_batched_path_and_equal_generate(f64):
         assert s.generated == reference(model, s.token_ids[:1])
 
 
+def test_prefill_chunks_over_a_cached_prefix_mixed_with_decodes_equal_generate(f64):
+    """Prompts fed in chunks (each attending to its cached prefix), in iterations that also
+    hold decode steps and a one-token prompt; a chunk that leaves its prompt unfinished yields
+    no token. A mixed iteration suspended mid-layer resumes while another batch ran between."""
+    model, runner = f64
+    a, b, c, d, e = (runner.new_sequence(p) for p in prompts(13, 7, 20, 1, 6, seed=4))
+    first = runner.run(runner.begin([a, b], [5, 0]))
+    assert first.next_tokens[0] is None and (a.num_cached, a.generated) == (5, [])
+    mixed = runner.begin([b, a, c, d], [0, 4, 6, 0])  # b, d: one token each
+    runner.run(mixed, until=runner.flat_index(runner.num_layers // 2, Stage.EXPERT, 1))
+    runner.run(runner.begin([e]))
+    runner.run(runner.begin([e]))  # e decodes: the runner's padded KV is now e's
+    runner.run(mixed)
+    assert mixed.next_tokens[1:3] == [None, None]
+    assert (a.num_cached, c.num_cached) == (9, 6)
+    last = runner.run(runner.begin([a, b, c, d], [0, 0, 1, 0]))  # a's last chunk; c: 1 token
+    assert [t is None for t in last.next_tokens] == [False, False, True, False]
+    while min(len(s.generated) for s in (a, b, c, d)) < NEW_TOKENS:
+        runner.run(runner.begin([s for s in (a, b, c, d) if len(s.generated) < NEW_TOKENS]))
+    for s in (a, b, c, d):
+        assert s.generated == reference(model, s.token_ids[: s.num_prompt])
+    assert e.generated == reference(model, e.token_ids[: e.num_prompt], 2)
+
+
+def test_a_chunk_must_fit_the_uncached_tokens():
+    model, _ = build_model("tiny-mixtral")
+    runner = ModelRunner(model)
+    seq = runner.new_sequence([1, 2, 3])
+    with pytest.raises(RunnerError, match="chunk"):
+        runner.begin([seq], [4])
+    with pytest.raises(RunnerError, match="one entry per sequence"):
+        runner.begin([seq], [1, 1])
+
+
 class OpLog(TorchDispatchMode):
     """The aten ops run inside the ``with`` block, by name."""
 

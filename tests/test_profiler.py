@@ -32,6 +32,7 @@ SMALL = [
     "grid.decode_batch=[1,3]",
     "grid.decode_kv=[8]",
     "grid.expert_tokens=[1,4,16]",
+    "grid.chunk_kv=[8]",
     "warmup=0",
     "repeats=1",
     "routing.prompts=2",
@@ -51,7 +52,7 @@ def test_every_tiny_model_profiles_on_the_cpu(tmp_path, model):
     profile, directory = profile_in_process(tmp_path, f"model={model}", "device=cpu")
     assert directory == tmp_path / f"{model}-cpu"
     loaded = Profile.load(directory)
-    assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS
+    assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS | {"attn_chunk"}
     assert loaded.model == profile.model and loaded.model.name == model
     assert loaded.dtype == "float32" and loaded.torch_version == torch.__version__
     assert all(p.median_ms > 0 for p in loaded.points if p.op != "step_overhead")
@@ -113,6 +114,7 @@ def test_user_errors_are_one_line(capsys, monkeypatch, tmp_path):
     assert "unknown model" in user_error(capsys, monkeypatch, "model=tiny-gpt", out)
     assert "not a directory" in user_error(capsys, monkeypatch, "model.path=/no/such/dir", out)
     assert "grid.decode_batch" in user_error(capsys, monkeypatch, "grid.decode_batch=[0]", out)
+    assert "grid.chunk_kv" in user_error(capsys, monkeypatch, "grid.chunk_kv=[0]", out)
     assert "dtype" in user_error(capsys, monkeypatch, "dtype=float8", out)
     if not torch.cuda.is_available():
         assert "CUDA" in user_error(capsys, monkeypatch, "device=cuda", out)
@@ -151,7 +153,7 @@ def test_a_local_checkpoint_loads_offline(tmp_path):
 def test_profiler_runs_on_cuda(tmp_path):
     profile, directory = profile_in_process(tmp_path, "device=cuda")
     loaded = Profile.load(directory)
-    assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS
+    assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS | {"attn_chunk"}
     assert loaded.dtype == "bfloat16" and loaded.extra["device_type"] == "cuda"
     shutil.rmtree(directory)
 
@@ -309,3 +311,30 @@ def test_profiles_of_schema_1_load_and_version_2_keeps_the_wake_up(tmp_path):
     (saved / "ops.csv").write_text("op,median_ms\n")
     with pytest.raises(ValueError, match="header must be"):
         Profile.load(saved)
+
+
+def test_attn_chunk_times_chunks_over_their_cached_prefix(monkeypatch):
+    """Each (chunk, prefix) point times iterations that feed the chunk on top of that many
+    cached tokens; a prefix of 0 is the prefill's own point; the op round-trips a save."""
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    fed = []  # (tokens cached, tokens fed) of every one-sequence iteration begun
+    begin = runner.begin
+
+    def recording_begin(seqs, chunk_tokens=None):
+        state = begin(seqs, chunk_tokens)
+        if len(seqs) == 1:
+            fed.append((seqs[0].num_cached, state.feed[0]))
+        return state
+
+    monkeypatch.setattr(runner, "begin", recording_begin)
+    settings = Settings([4, 12], [1], [8], [1], warmup=0, repeats=2, wake_idle_ms=(),
+                        chunk_kv=(6, 20))  # fmt: skip
+    prof = Profiler(runner, settings, torch.device("cpu"))
+    points = [p for p in prof.points(progress=False) if p.op == "attn_chunk"]
+    assert sorted(p.key() for p in points) == [(n, kv) for n in (4, 12) for kv in (0, 6, 20)]
+    for n in (4, 12):
+        for kv in (6, 20):
+            assert fed.count((kv, n)) == 2  # the repeats, each over the whole prefix
+    prefill = {p.num_tokens: p.median_ms for p in prof.table() if p.op == "attn_prefill"}
+    assert all(p.median_ms == prefill[p.num_tokens] for p in points if p.kv_tokens == 0)
+    assert all(p.median_ms > 0 for p in points)

@@ -65,11 +65,11 @@ def test_swapped_sequences_generate_exactly_the_greedy_tokens(f64, make, monkeyp
     fed = []  # (tokens fed, tokens cached) of every sequence resuming after a swap
     begin = runner.begin
 
-    def recording_begin(kvs):
+    def recording_begin(kvs, chunk_tokens=None):
         fed.extend((kv.num_new, kv.num_cached, kv.key.prefilled_tokens) for kv in kvs
                    if kv.key.evicted and kv.key.prefilled_tokens)  # fmt: skip
         assert not any(kv.on_host for kv in kvs)
-        return begin(kvs)
+        return begin(kvs, chunk_tokens)
 
     monkeypatch.setattr(runner, "begin", recording_begin)
     result = RealEngine(requests, prompts, sched, runner, VirtualClock(1e-3)).run()
