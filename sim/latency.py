@@ -414,6 +414,7 @@ class LatencyModel:
         switch_points = profile.op_points("preempt_switch")
         self.switch = Curve1D(switch_points, "num_tokens") if switch_points else None
         self._pools: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._pool_sums: dict[int, np.ndarray] = {}  # each pool sample's float(times.sum())
 
     def curves(self) -> list[Curve1D | Curve2D]:
         curves = [self.attn_prefill, self.attn_decode, self.router, self.expert, self.lm_head]
@@ -470,4 +471,64 @@ class LatencyModel:
             experts_s=experts,
             lm_head_s=self.lm_head.scalar(batch.size),
             expert_tokens=counts,
+        )
+
+    def decode_run(self, batch: Batch, n: int) -> DecodeRun | None:
+        """The next n iterations of a decode batch whose first iteration is planned
+        (``batch.plan``), planned at once: each one token longer in context, its experts a
+        random pick of the pool as ``plan`` would draw it. Fewer when the longest context would
+        leave the attention grid (where ``plan`` would note an extrapolation); None when that
+        leaves one iteration, or the batch's routing is not pooled."""
+        size = batch.size
+        kv = max(s.context_tokens for s in batch.sequences)
+        grid_kv = min(row.xs[-1] for row in self.attn_decode.rows)
+        n = min(n, grid_kv - kv + 1)
+        if n < 2 or not self.routing.pooled(size) or size not in self._pools:
+            return None
+        sums = self._pool_sums.get(size)
+        if sums is None:
+            sums = np.array([float(t.sum()) for t in self._pools[size][1]])
+            self._pool_sums[size] = sums
+        return DecodeRun(self, batch.plan, size, kv, n, sums)
+
+
+class DecodeRun:
+    """n decode iterations of one batch, planned at once: the first is ``first``; the others
+    draw their routing picks in one call, which numpy makes the same numbers, leaving the
+    generator in the same state, as n - 1 single draws (tests/test_fast_forward.py checks it).
+    ``keep(j)`` rewinds the generator when only the first j iterations are run."""
+
+    def __init__(
+        self, model: LatencyModel, first: Plan, size: int, kv: int, n: int, sums: np.ndarray
+    ) -> None:
+        self.model, self.first, self.size = model, first, size
+        rng = model.routing.rng
+        self._state = rng.bit_generator.state
+        self.picks = rng.integers(model.routing.pool_size, size=n - 1)
+        # attention_s of iteration i (from 2): the longest context is i - 1 tokens longer
+        self.attention_s = np.array([model.attn_decode(size, kv + i) for i in range(1, n)])
+        layers = first.num_layers * (self.attention_s + first.router_s) + sums[self.picks]
+        rest = first.overhead_s + layers + first.lm_head_s  # Plan.total_s, in its order
+        self.totals_s = np.concatenate([[first.total_s], rest])
+
+    def keep(self, j: int) -> None:
+        """Only iterations 1..j run: the generator as if j - 1 picks had been drawn."""
+        if j < len(self.totals_s):
+            rng = self.model.routing.rng
+            rng.bit_generator.state = self._state
+            if j > 1:
+                rng.integers(self.model.routing.pool_size, size=j - 1)
+
+    def plan(self, i: int) -> Plan:
+        """Iteration i's plan (i >= 2), as ``LatencyModel.plan`` would have made it."""
+        counts, times = self.model._pools[self.size]
+        pick = self.picks[i - 2]
+        first = self.first
+        return Plan(
+            overhead_s=first.overhead_s,
+            attention_s=float(self.attention_s[i - 2]),
+            router_s=first.router_s,
+            experts_s=times[pick],
+            lm_head_s=first.lm_head_s,
+            expert_tokens=counts[pick],
         )
