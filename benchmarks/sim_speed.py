@@ -4,12 +4,21 @@ Prints one line per policy: ``policy=<name> memory=<model> requests_per_s=<float
 events_per_request=<float>``
 where requests_per_s is simulated requests per wall-clock second of the executor (the
 workload is built once, outside the timing; the median of --repeats runs is reported).
+
+``--trace <csv>``: instead, every request of a trace at its own timestamps on one H200
+(Mixtral bf16, batch 32), under ``iteration`` and ``qllm`` (--policies), with fast-forward on
+and off; each line adds the spread (min-max) of the runs. ``--cluster-requests N`` then adds
+one run of N requests of that trace, repeated and rescaled to ``--cluster-rate``, on
+``--replicas`` replicas (least_outstanding), with its wall time and peak memory (RSS);
+``--cluster-only`` runs just that.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
+import time
 
 from hydra import compose, initialize_config_dir
 
@@ -26,13 +35,65 @@ VARIANTS = {  # name -> (policy file, overrides)
 }
 
 
+TRACE_SETUP = ["workload=trace", "profile=h200-mixtral-bf16"]
+
+
+def trace_speed(args) -> None:
+    with open(args.trace) as f:
+        rows = sum(1 for _ in f) - 1  # the header
+    base = [*TRACE_SETUP, f"workload.path={args.trace}"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for policy in [] if args.cluster_only else args.policies:
+            cfg = compose("config", overrides=[*base, f"policy={policy}",
+                                               f"workload.num_requests={rows}"])  # fmt: skip
+            requests = build_workload(cfg.workload, seed=cfg.seed)
+            for fast_forward in (True, False):
+                cfg.fast_forward = fast_forward
+                walls, events = [], 0
+                for _ in range(args.repeats):
+                    executor = simulate(cfg, requests=requests).summary["executor"]
+                    walls.append(executor["wall_s"])
+                    events = executor["events"]
+                rates = sorted(len(requests) / w for w in walls)
+                print(f"trace={args.trace} requests={len(requests)} policy={policy} "
+                      f"fast_forward={str(fast_forward).lower()} "
+                      f"requests_per_s={statistics.median(rates):.1f} "
+                      f"spread={rates[0]:.1f}-{rates[-1]:.1f} "
+                      f"events_per_request={events / len(requests):.2f}", flush=True)  # fmt: skip
+        if args.cluster_requests:
+            cfg = compose("config", overrides=[
+                *base, f"policy={args.policies[0]}", f"workload.rate={args.cluster_rate}",
+                f"workload.num_requests={args.cluster_requests}",
+                f"cluster.replicas={args.replicas}",
+                "cluster.router=least_outstanding"])  # fmt: skip
+            wall = time.perf_counter()
+            requests = build_workload(cfg.workload, seed=cfg.seed)
+            built_s = time.perf_counter() - wall
+            out = simulate(cfg, requests=requests)
+            total_s = time.perf_counter() - wall
+            rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"cluster requests={len(requests)} replicas={args.replicas} "
+                  f"rate={args.cluster_rate} policy={args.policies[0]} "
+                  f"workload_s={built_s:.1f} simulate_s={out.summary['executor']['wall_s']:.1f} "
+                  f"total_s={total_s:.1f} peak_rss_mb={rss_mb:.0f}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--rate", type=float, default=5.0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=None)
+    ap.add_argument("--trace", help="trace CSV: its own timestamps, all its requests")
+    ap.add_argument("--cluster-requests", type=int, default=0)
+    ap.add_argument("--cluster-rate", type=float, default=30.0)
+    ap.add_argument("--replicas", type=int, default=16)
+    ap.add_argument("--cluster-only", action="store_true", help="skip the one-replica runs")
     args = ap.parse_args()
+    if args.trace:
+        args.policies = args.policies or ["iteration", "qllm"]
+        return trace_speed(args)
+    args.policies = args.policies or list(POLICIES)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for policy in args.policies:
             name, extra = VARIANTS.get(policy, (policy, []))

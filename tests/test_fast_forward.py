@@ -38,11 +38,14 @@ POLICIES = {  # name -> overrides
     "priority": ["policy=priority"],
     "alg1": ["policy=alg1"],
     "alg1-guard": ["policy=alg1", "policy.be_max_wait_s=2.0"],  # reads the clock: no runs
+    "alg1-literal": ["policy=alg1", "policy.refill_be=false", "policy.fill_be_prefill=false"],
     "layer": ["policy=layer"],
     "qllm": ["policy=qllm"],
     "qllm-in-flight": ["policy=qllm", "policy.max_in_flight=32"],
+    "qllm-router": ["policy=qllm", "policy.preempt_prefill=false"],
     "vllm": ["policy=vllm"],
     "vllm-chunked": ["policy=vllm", "policy.enable_chunked_prefill=true"],
+    "vllm-priority": ["policy=vllm", "policy.scheduling_policy=priority"],
     "sglang": ["policy=sglang"],
 }
 
@@ -73,7 +76,7 @@ def test_fast_forward_gives_every_request_the_results_of_stepping(policy, worklo
                  f"memory.model={memory}"]  # fmt: skip
     ff, ref = run(overrides, True), run(overrides, False)
     assert_same(ff, ref)
-    if policy in ("layer", "qllm") and memory == "reserve":
+    if policy in ("layer", "qllm", "qllm-router") and memory == "reserve":
         assert ref.result.preemptions > 0  # the comparison covers runs cut by a preemption
     # the fast path must really have run (where it may), or the comparison proves nothing
     may = memory == "reserve" and policy not in ("alg1-guard", "vllm-chunked")
