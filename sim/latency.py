@@ -45,6 +45,7 @@ class Curve1D:
         slope = (self.ys[-1] - self.ys[-2]) / (self.xs[-1] - self.xs[-2]) if n > 1 else 0.0
         self.slope = max(slope, 0.0)
         self._cache: dict[float, float] = {}
+        self._xs_int = np.array(self.xs, dtype=np.int64) if n > 1 else None
 
     def __call__(self, x) -> np.ndarray:
         """Vectorised over an array of x."""
@@ -63,6 +64,17 @@ class Curve1D:
         if self.beyond is None:
             return []
         return [f"{self.op} {self.key} up to {self.beyond:g} (grid ends at {self.xs[-1]:g})"]
+
+    def within(self, x: np.ndarray) -> np.ndarray:
+        """``scalar`` at integers x on an integer grid, none beyond it, by the same float
+        operations in the same order, so the very same floats (a fast-forwarded run plans its
+        iterations' attention at once)."""
+        if self._xs_int is None:
+            return np.full(len(x), self.ys[0])
+        xs, y = self._xs_int, self.y
+        i = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2)
+        inner = y[i] + (y[i + 1] - y[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+        return np.where(x >= xs[-1], self.ys[-1], np.where(x <= xs[0], self.ys[0], inner))
 
     def scalar(self, x: float) -> float:
         """One point, memoised (the hot path asks for few distinct integers)."""
@@ -103,6 +115,23 @@ class Curve2D:
             out.append(f"{self.op} batch_size up to {self.beyond_batch:g} "
                        f"(grid ends at {self.batches[-1]})")  # fmt: skip
         return out
+
+    def within(self, batch_size: int, keys: np.ndarray) -> np.ndarray:
+        """``self(batch_size, k)`` for each k of ``keys`` (integers within the grid) as
+        ``Curve1D.within`` computes it: the same floats. The batch size has been seen by a
+        call already (which noted any extrapolation)."""
+        rows = self.rows
+        if len(rows) == 1:
+            return rows[0].within(keys)
+        xs = self.batches
+        i = min(max(bisect.bisect_right(xs, batch_size) - 1, 0), len(xs) - 2)
+        x0, x1 = xs[i], xs[i + 1]
+        y0, y1 = rows[i].within(keys), rows[i + 1].within(keys)
+        if batch_size <= x0:
+            return y0
+        if batch_size >= x1:
+            return y1 + np.maximum(y1 - y0, 0.0) * (batch_size - x1) / (x1 - x0)
+        return y0 + (y1 - y0) * (batch_size - x0) / (x1 - x0)
 
     def __call__(self, batch_size: float, kv_tokens: float) -> float:
         rows = self.rows
@@ -395,6 +424,7 @@ class LatencyModel:
         self.routing = routing or RoutingModel(m.num_layers, m.num_experts, m.top_k)
         self.attn_prefill = Curve1D(profile.op_points("attn_prefill"), "num_tokens")
         self.attn_decode = Curve2D(profile.op_points("attn_decode"))
+        self._decode_grid_kv = min(row.xs[-1] for row in self.attn_decode.rows)
         self.router = Curve1D(profile.op_points("router"), "num_tokens")
         self.expert = Curve1D(profile.op_points("expert"), "num_tokens")
         # an expert stage with no token: the profile's expert point at 0 tokens, if any
@@ -481,8 +511,7 @@ class LatencyModel:
         leaves one iteration, or the batch's routing is not pooled."""
         size = batch.size
         kv = max(s.context_tokens for s in batch.sequences)
-        grid_kv = min(row.xs[-1] for row in self.attn_decode.rows)
-        n = min(n, grid_kv - kv + 1)
+        n = min(n, self._decode_grid_kv - kv + 1)
         if n < 2 or not self.routing.pooled(size) or size not in self._pools:
             return None
         sums = self._pool_sums.get(size)
@@ -506,7 +535,7 @@ class DecodeRun:
         self._state = rng.bit_generator.state
         self.picks = rng.integers(model.routing.pool_size, size=n - 1)
         # attention_s of iteration i (from 2): the longest context is i - 1 tokens longer
-        self.attention_s = np.array([model.attn_decode(size, kv + i) for i in range(1, n)])
+        self.attention_s = model.attn_decode.within(size, kv + np.arange(1, n))
         layers = first.num_layers * (self.attention_s + first.router_s) + sums[self.picks]
         rest = first.overhead_s + layers + first.lm_head_s  # Plan.total_s, in its order
         self.totals_s = np.concatenate([[first.total_s], rest])

@@ -18,9 +18,11 @@ from hydra import compose, initialize_config_dir
 
 from policies import Request, Scheduler
 from policies.iteration import IterationFCFS
+from profiler.schema import OpPoint
+from sim import profiles
 from sim.app import CONF_DIR
 from sim.engine import Simulation, delay_to
-from sim.latency import LatencyModel, RoutingModel
+from sim.latency import Curve2D, LatencyModel, RoutingModel
 from sim.run import simulate
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "splitwise_conv.csv"
@@ -102,6 +104,28 @@ def test_one_vectorised_draw_is_the_single_draws_it_replaces():
         singles = [int(one.integers(64)) for _ in range(k)]
         assert many.integers(64, size=k).tolist() == singles
         assert one.bit_generator.state == many.bit_generator.state
+
+
+def test_attention_of_a_run_at_once_is_the_attention_of_each_iteration():
+    """``Curve2D.within`` (a run's attention, vectorised) gives the floats ``Curve2D`` gives one
+    point at a time: on and between grid points, below the grid and at its end, on a measured
+    profile and on a grid whose steps are no powers of two (where the order of operations
+    shows in the last bit)."""
+    rng = np.random.default_rng(0)
+    odd = []
+    for b in (1, 3, 10, 50):
+        times_ms = np.sort(rng.uniform(0.1, 9, 4))
+        for kv, ms in zip((0, 100, 1000, 3000), times_ms, strict=True):
+            odd.append(OpPoint("attn_decode", batch_size=b, kv_tokens=kv, median_ms=float(ms),
+                               p90_ms=float(ms)))  # fmt: skip
+    measured = LatencyModel(profiles.load("h200-mixtral-bf16", None)).attn_decode
+    for curve in (measured, Curve2D(odd)):
+        end = min(row.xs[-1] for row in curve.rows)
+        keys = np.concatenate([np.arange(0, 3000), np.arange(end - 2000, end + 1)])
+        for batch_size in (1, 2, 3, 7, 24, 32, 49, 100, 256, 300):
+            at_once = curve.within(batch_size, keys)
+            one_by_one = [curve(batch_size, int(k)) for k in keys]
+            assert at_once.tolist() == one_by_one, batch_size
 
 
 def test_delay_lands_exactly_on_the_target_time():
