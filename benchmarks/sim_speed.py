@@ -7,10 +7,11 @@ workload is built once, outside the timing; the median of --repeats runs is repo
 
 ``--trace <csv>``: instead, every request of a trace at its own timestamps on one H200
 (Mixtral bf16, batch 32), under ``iteration`` and ``qllm`` (--policies), with fast-forward on
-and off; each line adds the spread (min-max) of the runs. ``--cluster-requests N`` then adds
-one run of N requests of that trace, repeated and rescaled to ``--cluster-rate``, on
-``--replicas`` replicas (least_outstanding), with its wall time and peak memory (RSS);
-``--cluster-only`` runs just that.
+and off; each line adds the spread (min-max) of the runs and the rate per CPU second of the
+process (the median run's: what one core does when the machine is shared).
+``--cluster-requests N`` then adds one run of N requests of that trace, repeated and rescaled
+to ``--cluster-rate``, on ``--replicas`` replicas (least_outstanding), with its wall and CPU
+time and peak memory (RSS); ``--cluster-only`` runs just that.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ def trace_speed(args) -> None:
             requests = build_workload(cfg.workload, seed=cfg.seed)
             for fast_forward in (True, False):
                 cfg.fast_forward = fast_forward
-                walls, events = [], 0
+                walls, cpus, events = [], [], 0
                 for _ in range(args.repeats):
+                    cpu = time.process_time()
                     executor = simulate(cfg, requests=requests).summary["executor"]
+                    cpus.append(time.process_time() - cpu)
                     walls.append(executor["wall_s"])
                     events = executor["events"]
                 rates = sorted(len(requests) / w for w in walls)
@@ -59,23 +62,27 @@ def trace_speed(args) -> None:
                       f"fast_forward={str(fast_forward).lower()} "
                       f"requests_per_s={statistics.median(rates):.1f} "
                       f"spread={rates[0]:.1f}-{rates[-1]:.1f} "
+                      f"requests_per_cpu_s={len(requests) / statistics.median(cpus):.1f} "
                       f"events_per_request={events / len(requests):.2f}", flush=True)  # fmt: skip
         if args.cluster_requests:
             cfg = compose("config", overrides=[
                 *base, f"policy={args.policies[0]}", f"workload.rate={args.cluster_rate}",
                 f"workload.num_requests={args.cluster_requests}",
                 f"cluster.replicas={args.replicas}",
-                "cluster.router=least_outstanding"])  # fmt: skip
-            wall = time.perf_counter()
+                "cluster.router=least_outstanding",
+                f"fast_forward={args.cluster_fast_forward}"])  # fmt: skip
+            wall, cpu = time.perf_counter(), time.process_time()
             requests = build_workload(cfg.workload, seed=cfg.seed)
             built_s = time.perf_counter() - wall
             out = simulate(cfg, requests=requests)
-            total_s = time.perf_counter() - wall
+            total_s, cpu_s = time.perf_counter() - wall, time.process_time() - cpu
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f"cluster requests={len(requests)} replicas={args.replicas} "
+                  f"fast_forward={args.cluster_fast_forward} "
                   f"rate={args.cluster_rate} policy={args.policies[0]} "
                   f"workload_s={built_s:.1f} simulate_s={out.summary['executor']['wall_s']:.1f} "
-                  f"total_s={total_s:.1f} peak_rss_mb={rss_mb:.0f}")  # fmt: skip
+                  f"total_s={total_s:.1f} total_cpu_s={cpu_s:.1f} "
+                  f"peak_rss_mb={rss_mb:.0f}")  # fmt: skip
 
 
 def main() -> None:
@@ -89,6 +96,7 @@ def main() -> None:
     ap.add_argument("--cluster-rate", type=float, default=30.0)
     ap.add_argument("--replicas", type=int, default=16)
     ap.add_argument("--cluster-only", action="store_true", help="skip the one-replica runs")
+    ap.add_argument("--cluster-fast-forward", choices=["true", "false"], default="true")
     args = ap.parse_args()
     if args.trace:
         args.policies = args.policies or ["iteration", "qllm"]
