@@ -239,7 +239,7 @@ class Scheduler:
         ):
             return 1
         left = min(q.request.output_tokens - q.generated for q in batch.sequences)
-        return int(min(left, self.policy.decode_run(self, batch)))
+        return int(min(left, self.policy.decode_run(self, batch))) if left > 1 else 1
 
     def advance_decodes(self, batch: Batch, ends_s: np.ndarray) -> None:
         """Apply ``len(ends_s)`` decode iterations of the running batch, ending at ``ends_s``,
