@@ -7,10 +7,11 @@ workload is built once, outside the timing; the median of --repeats runs is repo
 
 ``--trace <csv>``: instead, every request of a trace at its own timestamps on one H200
 (Mixtral bf16, batch 32), under ``iteration`` and ``qllm`` (--policies), with fast-forward on
-and off; each line adds the spread (min-max) of the runs and the rate per CPU second of the
-process (the median run's: what one core does when the machine is shared).
+and off: simulated requests per CPU second and per wall-clock second of the simulation loop
+(``Cluster.run``: workload, setup and outputs excluded), medians of --repeats runs with their
+spread (min-max). CPU time is what one core does when the machine is shared.
 ``--cluster-requests N`` then adds one run of N requests of that trace, repeated and rescaled
-to ``--cluster-rate``, on ``--replicas`` replicas (least_outstanding), with its wall and CPU
+to ``--cluster-rate``, on ``--replicas`` replicas (least_outstanding), with its CPU and wall
 time and peak memory (RSS); ``--cluster-only`` runs just that.
 """
 
@@ -21,10 +22,14 @@ import resource
 import statistics
 import time
 
+import simpy
 from hydra import compose, initialize_config_dir
 
+from sim import profiles
 from sim.app import CONF_DIR
-from sim.run import simulate
+from sim.cluster import ROUTERS, Cluster
+from sim.engine import Simulation
+from sim.run import build_latency, build_scheduler, simulate
 from sim.workloads import build_workload
 
 POLICIES = ("fcfs", "iteration", "priority", "layer", "qllm", "vllm", "vllm-chunked", "sglang")
@@ -39,6 +44,20 @@ VARIANTS = {  # name -> (policy file, overrides)
 TRACE_SETUP = ["workload=trace", "profile=h200-mixtral-bf16"]
 
 
+def run_loop(cfg, requests) -> tuple[float, float, int]:
+    """(wall s, CPU s, events) of the simulation loop alone (``Cluster.run``, as ``simulate``
+    builds it): CPU time says what one core does when the machine is shared."""
+    profile = profiles.load(cfg.profile.name, cfg.profile.path)
+    env, n = simpy.Environment(), cfg.cluster.replicas
+    replicas = [Simulation([], build_scheduler(cfg, profile), build_latency(cfg, profile, i),
+                           env=env, fast_forward=cfg.fast_forward) for i in range(n)]  # fmt: skip
+    router = ROUTERS[cfg.cluster.router](n, cfg.cluster.ls_replicas)
+    cluster = Cluster(requests, replicas, router, env)
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = cluster.run().result
+    return time.perf_counter() - wall, time.process_time() - cpu, result.events
+
+
 def trace_speed(args) -> None:
     with open(args.trace) as f:
         rows = sum(1 for _ in f) - 1  # the header
@@ -50,20 +69,17 @@ def trace_speed(args) -> None:
             requests = build_workload(cfg.workload, seed=cfg.seed)
             for fast_forward in (True, False):
                 cfg.fast_forward = fast_forward
-                walls, cpus, events = [], [], 0
-                for _ in range(args.repeats):
-                    cpu = time.process_time()
-                    executor = simulate(cfg, requests=requests).summary["executor"]
-                    cpus.append(time.process_time() - cpu)
-                    walls.append(executor["wall_s"])
-                    events = executor["events"]
-                rates = sorted(len(requests) / w for w in walls)
-                print(f"trace={args.trace} requests={len(requests)} policy={policy} "
+                runs = [run_loop(cfg, requests) for _ in range(args.repeats)]
+                n = len(requests)
+                wall = sorted(n / r[0] for r in runs)
+                cpu = sorted(n / r[1] for r in runs)
+                print(f"trace={args.trace} requests={n} policy={policy} "
                       f"fast_forward={str(fast_forward).lower()} "
-                      f"requests_per_s={statistics.median(rates):.1f} "
-                      f"spread={rates[0]:.1f}-{rates[-1]:.1f} "
-                      f"requests_per_cpu_s={len(requests) / statistics.median(cpus):.1f} "
-                      f"events_per_request={events / len(requests):.2f}", flush=True)  # fmt: skip
+                      f"requests_per_cpu_s={statistics.median(cpu):.1f} "
+                      f"spread={cpu[0]:.1f}-{cpu[-1]:.1f} "
+                      f"requests_per_s={statistics.median(wall):.1f} "
+                      f"spread={wall[0]:.1f}-{wall[-1]:.1f} "
+                      f"events_per_request={runs[0][2] / n:.2f}", flush=True)  # fmt: skip
         if args.cluster_requests:
             cfg = compose("config", overrides=[
                 *base, f"policy={args.policies[0]}", f"workload.rate={args.cluster_rate}",
@@ -71,18 +87,16 @@ def trace_speed(args) -> None:
                 f"cluster.replicas={args.replicas}",
                 "cluster.router=least_outstanding",
                 f"fast_forward={args.cluster_fast_forward}"])  # fmt: skip
-            wall, cpu = time.perf_counter(), time.process_time()
+            built = time.process_time()
             requests = build_workload(cfg.workload, seed=cfg.seed)
-            built_s = time.perf_counter() - wall
-            out = simulate(cfg, requests=requests)
-            total_s, cpu_s = time.perf_counter() - wall, time.process_time() - cpu
+            built_s = time.process_time() - built
+            wall_s, cpu_s, _ = run_loop(cfg, requests)
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f"cluster requests={len(requests)} replicas={args.replicas} "
                   f"fast_forward={args.cluster_fast_forward} "
                   f"rate={args.cluster_rate} policy={args.policies[0]} "
-                  f"workload_s={built_s:.1f} simulate_s={out.summary['executor']['wall_s']:.1f} "
-                  f"total_s={total_s:.1f} total_cpu_s={cpu_s:.1f} "
-                  f"peak_rss_mb={rss_mb:.0f}")  # fmt: skip
+                  f"workload_cpu_s={built_s:.1f} loop_cpu_s={cpu_s:.1f} "
+                  f"loop_wall_s={wall_s:.1f} peak_rss_mb={rss_mb:.0f}")  # fmt: skip
 
 
 def main() -> None:

@@ -181,7 +181,8 @@ class Simulation:
         iteration run, whether it was preempted); that iteration is left for the caller to
         complete, as one run by ``_run_lookup`` is."""
         env, sched = self.env, self.sched
-        ends = np.cumsum([env.now, *run.totals_s])  # sequential: each end as env.now would be
+        # sequential sums: each end is the float env.now reaches iteration by iteration
+        ends = np.concatenate(([env.now], run.totals_s)).cumsum()
         self._in_run = True
         try:
             yield from self._until(float(ends[-1]))
