@@ -532,10 +532,15 @@ class DecodeRun:
     def __init__(
         self, model: LatencyModel, first: Plan, size: int, kv: int, n: int, sums: np.ndarray
     ) -> None:
-        self.model, self.first, self.size = model, first, size
+        self.model, self.size = model, size
         rng = model.routing.rng
         self._state = rng.bit_generator.state
         self.picks = rng.integers(model.routing.pool_size, size=n - 1)
+        # the later iterations' stage times as ``plan`` computes them (not copied from the
+        # first plan, which may carry a cost of its own, such as one of starting a batch)
+        self.overhead_s = model.overhead.scalar(size)
+        self.router_s = model.router.scalar(size)
+        self.lm_head_s = model.lm_head.scalar(size)
         # attention_s of iteration i (from 2): the longest context is i - 1 tokens longer;
         # point by point (memoised) costs less than the vectorised form for short runs
         if n <= self.VECTORISE_FROM:
@@ -543,8 +548,8 @@ class DecodeRun:
             self.attention_s = np.array([curve(size, kv + i) for i in range(1, n)])
         else:
             self.attention_s = model.attn_decode.within(size, kv + np.arange(1, n))
-        layers = first.num_layers * (self.attention_s + first.router_s) + sums[self.picks]
-        rest = first.overhead_s + layers + first.lm_head_s  # Plan.total_s, in its order
+        layers = first.num_layers * (self.attention_s + self.router_s) + sums[self.picks]
+        rest = self.overhead_s + layers + self.lm_head_s  # Plan.total_s, in its order
         self.totals_s = np.concatenate([[first.total_s], rest])
 
     def keep(self, j: int) -> None:
@@ -559,12 +564,11 @@ class DecodeRun:
         """Iteration i's plan (i >= 2), as ``LatencyModel.plan`` would have made it."""
         counts, times = self.model._pools[self.size]
         pick = self.picks[i - 2]
-        first = self.first
         return Plan(
-            overhead_s=first.overhead_s,
+            overhead_s=self.overhead_s,
             attention_s=float(self.attention_s[i - 2]),
-            router_s=first.router_s,
+            router_s=self.router_s,
             experts_s=times[pick],
-            lm_head_s=first.lm_head_s,
+            lm_head_s=self.lm_head_s,
             expert_tokens=counts[pick],
         )
