@@ -4,17 +4,32 @@ Prints one line per policy: ``policy=<name> memory=<model> requests_per_s=<float
 events_per_request=<float>``
 where requests_per_s is simulated requests per wall-clock second of the executor (the
 workload is built once, outside the timing; the median of --repeats runs is reported).
+
+``--trace <csv>``: instead, every request of a trace at its own timestamps on one H200
+(Mixtral bf16, batch 32), under ``iteration`` and ``qllm`` (--policies), with fast-forward on
+and off: simulated requests per CPU second and per wall-clock second of the simulation loop
+(``Cluster.run``: workload, setup and outputs excluded), medians of --repeats runs with their
+spread (min-max). CPU time is what one core does when the machine is shared.
+``--cluster-requests N`` then adds one run of N requests of that trace, repeated and rescaled
+to ``--cluster-rate``, on ``--replicas`` replicas (least_outstanding), with its CPU and wall
+time and peak memory (RSS); ``--cluster-only`` runs just that.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
+import time
 
+import simpy
 from hydra import compose, initialize_config_dir
 
+from sim import profiles
 from sim.app import CONF_DIR
-from sim.run import simulate
+from sim.cluster import ROUTERS, Cluster
+from sim.engine import Simulation
+from sim.run import build_latency, build_scheduler, simulate
 from sim.workloads import build_workload
 
 POLICIES = ("fcfs", "iteration", "priority", "layer", "qllm", "vllm", "vllm-chunked", "sglang")
@@ -26,13 +41,81 @@ VARIANTS = {  # name -> (policy file, overrides)
 }
 
 
+TRACE_SETUP = ["workload=trace", "profile=h200-mixtral-bf16"]
+
+
+def run_loop(cfg, requests) -> tuple[float, float, int]:
+    """(wall s, CPU s, events) of the simulation loop alone (``Cluster.run``, as ``simulate``
+    builds it): CPU time says what one core does when the machine is shared."""
+    profile = profiles.load(cfg.profile.name, cfg.profile.path)
+    env, n = simpy.Environment(), cfg.cluster.replicas
+    replicas = [Simulation([], build_scheduler(cfg, profile), build_latency(cfg, profile, i),
+                           env=env, fast_forward=cfg.fast_forward) for i in range(n)]  # fmt: skip
+    router = ROUTERS[cfg.cluster.router](n, cfg.cluster.ls_replicas)
+    cluster = Cluster(requests, replicas, router, env)
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = cluster.run().result
+    return time.perf_counter() - wall, time.process_time() - cpu, result.events
+
+
+def trace_speed(args) -> None:
+    with open(args.trace) as f:
+        rows = sum(1 for _ in f) - 1  # the header
+    base = [*TRACE_SETUP, f"workload.path={args.trace}"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for policy in [] if args.cluster_only else args.policies:
+            cfg = compose("config", overrides=[*base, f"policy={policy}",
+                                               f"workload.num_requests={rows}"])  # fmt: skip
+            requests = build_workload(cfg.workload, seed=cfg.seed)
+            for fast_forward in (True, False):
+                cfg.fast_forward = fast_forward
+                runs = [run_loop(cfg, requests) for _ in range(args.repeats)]
+                n = len(requests)
+                wall = sorted(n / r[0] for r in runs)
+                cpu = sorted(n / r[1] for r in runs)
+                print(f"trace={args.trace} requests={n} policy={policy} "
+                      f"fast_forward={str(fast_forward).lower()} "
+                      f"requests_per_cpu_s={statistics.median(cpu):.1f} "
+                      f"spread={cpu[0]:.1f}-{cpu[-1]:.1f} "
+                      f"requests_per_s={statistics.median(wall):.1f} "
+                      f"spread={wall[0]:.1f}-{wall[-1]:.1f} "
+                      f"events_per_request={runs[0][2] / n:.2f}", flush=True)  # fmt: skip
+        if args.cluster_requests:
+            cfg = compose("config", overrides=[
+                *base, f"policy={args.policies[0]}", f"workload.rate={args.cluster_rate}",
+                f"workload.num_requests={args.cluster_requests}",
+                f"cluster.replicas={args.replicas}",
+                "cluster.router=least_outstanding",
+                f"fast_forward={args.cluster_fast_forward}"])  # fmt: skip
+            built = time.process_time()
+            requests = build_workload(cfg.workload, seed=cfg.seed)
+            built_s = time.process_time() - built
+            wall_s, cpu_s, _ = run_loop(cfg, requests)
+            rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"cluster requests={len(requests)} replicas={args.replicas} "
+                  f"fast_forward={args.cluster_fast_forward} "
+                  f"rate={args.cluster_rate} policy={args.policies[0]} "
+                  f"workload_cpu_s={built_s:.1f} loop_cpu_s={cpu_s:.1f} "
+                  f"loop_wall_s={wall_s:.1f} peak_rss_mb={rss_mb:.0f}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--rate", type=float, default=5.0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=None)
+    ap.add_argument("--trace", help="trace CSV: its own timestamps, all its requests")
+    ap.add_argument("--cluster-requests", type=int, default=0)
+    ap.add_argument("--cluster-rate", type=float, default=30.0)
+    ap.add_argument("--replicas", type=int, default=16)
+    ap.add_argument("--cluster-only", action="store_true", help="skip the one-replica runs")
+    ap.add_argument("--cluster-fast-forward", choices=["true", "false"], default="true")
     args = ap.parse_args()
+    if args.trace:
+        args.policies = args.policies or ["iteration", "qllm"]
+        return trace_speed(args)
+    args.policies = args.policies or list(POLICIES)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for policy in args.policies:
             name, extra = VARIANTS.get(policy, (policy, []))

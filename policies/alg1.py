@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Collection
 
 from policies.core import BE, LS, Batch, Granularity, Sequence
@@ -174,6 +175,11 @@ class Algorithm1(Policy):
     def protected(self, batch: Batch) -> bool:
         """Whether the batch holds LS work (or BE work served as LS)."""
         return batch.has_ls or any(q.id in self.promoted for q in batch.sequences)
+
+    def decode_run(self, s: Scheduler, batch: Batch) -> float:
+        """Selection reads queues and memory only, which decoding does not change, unless the
+        starvation guard is on (it reads the clock)."""
+        return math.inf if self.be_max_wait_s is None else 1
 
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
         if self.promoted:  # a promotion lasts until the sequence's next token

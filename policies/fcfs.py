@@ -9,6 +9,8 @@ member preempted by recompute leaves the batch and joins the next one.
 
 from __future__ import annotations
 
+import math
+
 from policies.core import Batch, Granularity
 from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch
 
@@ -33,3 +35,6 @@ class FCFS(Policy):
 
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
         self.members -= {q.id for q in batch.sequences if q.done}
+
+    def decode_run(self, s: Scheduler, batch: Batch) -> float:
+        return math.inf  # the static batch decodes until a member finishes

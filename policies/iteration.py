@@ -100,6 +100,25 @@ class IterationFCFS(Policy):
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
         self.waiting_tokens = 1 if batch.phase is Phase.PREFILL else self.waiting_tokens + 1
 
+    def decode_run(self, s: Scheduler, batch: Batch) -> float:
+        """Decoding changes only ``waiting_tokens``: a join that admits some waiting requests,
+        too few for ``waiting_served_ratio``, happens once it reaches ``max_waiting_tokens``."""
+        room = self.max_batch_size - batch.size
+        if room <= 0 or not (s.waiting["LS"] or s.waiting["BE"]):
+            return math.inf
+        budget = self.max_batch_total_tokens - sum(q.reserved_tokens for q in batch.sequences)
+        admitted = s.take_prefill(s.waiting_fifo(), room, self.max_batch_prefill_tokens,
+                                  dry_run=True, max_reserved_tokens=budget)  # fmt: skip
+        if not admitted:
+            return math.inf
+        if len(admitted) >= max(1, math.floor(batch.size * self.waiting_served_ratio)):
+            return 1  # the next select joins
+        # after i decodes waiting_tokens is i higher; the select that sees max_waiting_tokens joins
+        return max(1, self.max_waiting_tokens - self.waiting_tokens)
+
+    def on_decodes(self, s: Scheduler, batch: Batch, ends_s) -> None:
+        self.waiting_tokens += len(ends_s)
+
 
 def _age(seq) -> tuple[float, int]:
     return (seq.request.arrival_s, seq.id)

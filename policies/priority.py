@@ -17,6 +17,7 @@ admission and what does not fit waits.
 from __future__ import annotations
 
 import itertools
+import math
 
 from policies.core import BE, LS, Batch, Granularity
 from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch
@@ -35,3 +36,6 @@ class Priority(Policy):
             if seqs:
                 return prefill_batch(seqs)
         return decode_batch(s.take_ready(LS, running) + s.take_ready(BE, running))
+
+    def decode_run(self, s: Scheduler, batch: Batch) -> float:
+        return math.inf  # admission failed on queues and memory that decoding does not change

@@ -41,6 +41,8 @@ import math
 from collections import deque
 from collections.abc import Iterable, Iterator
 
+import numpy as np
+
 from policies.core import BE, LS, Batch, Granularity, Phase, Request, Sequence
 from policies.memory import Memory, ReserveMemory
 
@@ -98,6 +100,21 @@ class Policy:
         batch to merge with when it gets there (``Scheduler.merge``); None (the default):
         the running batch runs on alone."""
         return None
+
+    def decode_run(self, s: Scheduler, batch: Batch) -> float:
+        """Iterations in a row, this one included, for which ``select`` would return this very
+        decode batch (its sequences, in its order) if nothing happened but their decoding: no
+        arrival, no sequence finishing, no change of memory. The scheduler has checked that the
+        batch holds every decode-ready sequence, so before each of them the queues are as they
+        were before this one. The simulator fast-forwards such runs; 1 (the default) never
+        does, so a policy must say what its choice depends on to be fast-forwarded."""
+        return 1
+
+    def on_decodes(self, s: Scheduler, batch: Batch, ends_s: np.ndarray) -> None:
+        """What ``on_complete`` does after each of ``len(ends_s)`` decode iterations of
+        ``batch`` that finish no sequence (``Scheduler.advance_decodes``)."""
+        for now in ends_s.tolist():
+            self.on_complete(s, batch, now)
 
     def victim(self, s: Scheduler, batch: Batch) -> Sequence:
         """The sequence to preempt by recompute when one of ``batch`` cannot grow: by default
@@ -253,6 +270,39 @@ class Scheduler:
         self.iterations += 1
         self.policy.on_complete(self, batch, now)
         return finished
+
+    def decode_run(self, batch: Batch) -> int:
+        """How many iterations of the batch just selected, this one included, are certain to
+        run one after another unless a request arrives: the policy's ``decode_run``, up to the
+        first that finishes a sequence. 1 unless the batch is a fresh decode batch of every
+        decode-ready sequence, with no chunked prefill pending, under memory that does not grow
+        (paged memory's blocks can run out: that path runs iteration by iteration)."""
+        if (
+            batch.phase is not Phase.DECODE
+            or batch.cursor
+            or self.memory.grows
+            or self.ready[LS]
+            or self.ready[BE]
+            or self.prefilling
+        ):
+            return 1
+        left = min(q.request.output_tokens - q.generated for q in batch.sequences)
+        return int(min(left, self.policy.decode_run(self, batch))) if left > 1 else 1
+
+    def advance_decodes(self, batch: Batch, ends_s: np.ndarray) -> None:
+        """Apply ``len(ends_s)`` decode iterations of the running batch, ending at ``ends_s``,
+        that finish no sequence, as as many ``complete_iteration`` and ``next_batch`` calls
+        would (the batch stays running): every sequence's tokens, with the same float32 gaps."""
+        gaps = np.diff(ends_s).astype(np.float32).tobytes()
+        first, last = float(ends_s[0]), float(ends_s[-1])
+        k = len(ends_s)
+        for seq in batch.sequences:
+            seq.token_gaps_s.append(first - seq.last_token_s)
+            seq.token_gaps_s.frombytes(gaps)
+            seq.last_token_s = last
+            seq.generated += k
+        self.iterations += k
+        self.policy.on_decodes(self, batch, ends_s)
 
     @property
     def idle(self) -> bool:

@@ -26,6 +26,8 @@ in SGLang. Memory is the configured model (``memory.model``; SGLang's own is ``p
 
 from __future__ import annotations
 
+import math
+
 from policies.core import BE, LS, Batch, Granularity, Sequence
 from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch
 
@@ -73,6 +75,11 @@ class SGLang(Policy):
             return prefill_batch(taken)
         n = len(s.ready[LS]) + len(s.ready[BE])
         return decode_batch(s.take_ready(LS, n) + s.take_ready(BE, n))
+
+    def decode_run(self, s: Scheduler, batch: Batch) -> float:
+        # admission (and preemption for it) failed on queues, priorities and memory that
+        # decoding under reserve does not change
+        return math.inf
 
     def _waiting(self, s: Scheduler) -> list[Sequence]:
         """The waiting queue in priority order (a snapshot: admission changes the queues)."""

@@ -41,6 +41,7 @@ runs both forms.
 from __future__ import annotations
 
 import heapq
+import math
 
 from policies.core import BE, LS, Batch, Granularity, Phase, Sequence
 from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch, priority_victim_key
@@ -128,6 +129,18 @@ class VLLM(Policy):
         self.kv_preemptions_seen = s.kv_preemptions
         seqs = s.take_ready(LS, running) + s.take_ready(BE, running)
         return decode_batch(sorted(seqs, key=lambda q: q.admission))
+
+    def decode_run(self, s: Scheduler, batch: Batch) -> float:
+        """After a decode the next step tries admission: the decodes go on while it fails (on
+        queues and memory that decoding under reserve does not change)."""
+        if self.enable_chunked_prefill:
+            return 1
+        room = self.max_batch_size - batch.size
+        if room > 0 and (s.waiting[LS] or s.waiting[BE]):
+            budget = self.max_batch_prefill_tokens - batch.size
+            if s.take_prefill(self._waiting(s), room, budget, dry_run=True):
+                return 1
+        return math.inf
 
     def _waiting(self, s: Scheduler):
         if self.priority:

@@ -125,6 +125,9 @@ class SimConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     seed: int = 0
     boundary_mode: str = "lookup"  # lookup (one event per step) | step (every boundary)
+    # runs of decode iterations that nothing can change advance in one event (sim/engine.py);
+    # false: iteration by iteration (same per-request results, slower)
+    fast_forward: bool = True
     progress: bool = False
     resume: bool = True  # skip a run whose directory already holds a summary.json
 

@@ -6,20 +6,31 @@ the next preemption boundary of the policy's granularity (``Plan.next_boundary``
 runs to it and suspends the batch there. Simulated events therefore grow with iterations and
 arrivals, not with layers x experts. ``mode="step"`` instead yields one timeout per stage and
 asks the scheduler at every boundary; tests use it to check the lookup.
+
+Fast-forward (``fast_forward=True``, the default): when the scheduler can tell that the next n
+iterations repeat the decode batch just selected (``Scheduler.decode_run``: nothing arrives,
+nothing finishes before the n-th, the policy's choice does not change), they run as one timeout
+to the end of the n-th; the latency model plans them at once (``LatencyModel.decode_run``, the
+same routing draws in the same order). An arrival cuts the run: the iterations it completed are
+applied in bulk (``Scheduler.advance_decodes``) and the one in progress continues as any
+iteration does, preemptible. Events then grow with arrivals and completions, and every
+per-request result equals the iteration-by-iteration path's (tests/test_fast_forward.py).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import simpy
 
 from policies.core import Batch, Request
 from policies.core import Sequence as Seq
 from policies.scheduler import Scheduler
-from sim.latency import LatencyModel
+from sim.latency import DecodeRun, LatencyModel
 
 
 def replay(env: simpy.Environment, requests: Sequence[Request], admit: Callable[[Request], None]):
@@ -33,6 +44,18 @@ def replay(env: simpy.Environment, requests: Sequence[Request], admit: Callable[
             events += 1
         admit(req)
     return events
+
+
+def delay_to(now: float, t: float) -> float:
+    """The longest delay d for which SimPy's clock, now + d, does not pass t: t - now itself
+    may round either way. Usually now + d == t; when no float d makes the sum round to t (a
+    tie can step over it), ``Simulation._until`` waits the few ulps left in a second timeout."""
+    d = t - now
+    while now + d < t:
+        d = math.nextafter(d, math.inf)
+    while now + d > t:
+        d = math.nextafter(d, -math.inf)
+    return d
 
 
 @dataclass
@@ -57,6 +80,7 @@ class Simulation:
         record_trace: bool = False,
         on_finish: Callable[[Seq], None] | None = None,
         env: simpy.Environment | None = None,
+        fast_forward: bool = True,
     ) -> None:
         if mode not in ("lookup", "step"):
             raise ValueError(f"mode must be lookup or step, not {mode!r}")
@@ -66,6 +90,8 @@ class Simulation:
         self.mode = mode
         self.record_trace = record_trace
         self.on_finish = on_finish
+        # the stepping reference and a recorded trace (one row per iteration) run every iteration
+        self.fast_forward = fast_forward and mode == "lookup" and not record_trace
         self.env = env or simpy.Environment()
         self.events = 0
         self.busy_s = 0.0  # simulated time the executor spent running batches
@@ -75,6 +101,7 @@ class Simulation:
         # since when the executor has had nothing to run (None: busy); it starts idle at 0
         self._idle_since: float | None = 0.0
         self._interruptible = False
+        self._in_run = False  # in a fast-forwarded run of decode iterations: any arrival cuts it
         self._arrivals_done = False
 
     # ------------------------------------------------------------------------------ processes
@@ -89,6 +116,10 @@ class Simulation:
         self.sequences.append(self.sched.arrive(req, self.env.now))
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
+        elif self._in_run:
+            self._in_run = False
+            self._executor.interrupt()
+            self.events += 1
         elif self._interruptible and self.sched.should_preempt():
             self._interruptible = False
             self._executor.interrupt()
@@ -130,18 +161,26 @@ class Simulation:
                 if switch_s > 0:
                     yield env.timeout(switch_s)
                     self.events += 1
-            run = self._run_lookup if self.mode == "lookup" else self._run_steps
-            while True:
-                partner = sched.merge_partner()
-                stop = None if partner is None else partner.cursor
-                preempted = yield from run(batch, stop)
-                if preempted or stop is None:
-                    break
-                self.busy_s += env.now - start
-                if self.record_trace:  # the batch's part up to the merge; note: the partner
-                    self.trace.append((start, env.now, batch.id, "merged", partner.id))
-                start = env.now
-                batch = yield from self._merge(partner)
+            if env.now > start:  # the wake-up and switch are busy time of their own, so that
+                self.busy_s += env.now - start  # a fast-forwarded run (which restarts the
+                start = env.now  # count at its last iteration) keeps them too
+            partner = sched.merge_partner()
+            run = self._decode_run(batch) if partner is None else None
+            if run is not None:
+                start, preempted = yield from self._run_decodes(batch, run)
+            else:
+                step = self._run_lookup if self.mode == "lookup" else self._run_steps
+                while True:
+                    stop = None if partner is None else partner.cursor
+                    preempted = yield from step(batch, stop)
+                    if preempted or stop is None:
+                        break
+                    self.busy_s += env.now - start
+                    if self.record_trace:  # the batch's part up to the merge; note: the partner
+                        self.trace.append((start, env.now, batch.id, "merged", partner.id))
+                    start = env.now
+                    batch = yield from self._merge(partner)
+                    partner = sched.merge_partner()
             self.busy_s += env.now - start
             if self.record_trace:
                 kind = "preempted" if preempted else batch.phase.value
@@ -165,26 +204,82 @@ class Simulation:
             self.events += 1
         return batch
 
-    def _run_lookup(self, batch: Batch, stop: int | None = None):
+    def _decode_run(self, batch: Batch) -> DecodeRun | None:
+        """The iterations of this batch to fast-forward, planned; None: run just this one."""
+        if not self.fast_forward:
+            return None
+        n = self.sched.decode_run(batch)
+        return self.latency.decode_run(batch, n) if n > 1 else None
+
+    def _run_decodes(self, batch: Batch, run: DecodeRun):
+        """The planned iterations of a decode batch in one timeout. Returns (start of the last
+        iteration run, whether it was preempted); that iteration is left for the caller to
+        complete, as one run by ``_run_lookup`` is."""
+        env, sched = self.env, self.sched
+        # sequential sums: each end is the float env.now reaches iteration by iteration
+        ends = np.concatenate(([env.now], run.totals_s)).cumsum()
+        self._in_run = True
+        try:
+            yield from self._until(float(ends[-1]))
+            self._in_run = False
+            j, cut = len(run.totals_s), False
+        except simpy.Interrupt:  # an arrival: iteration j is in progress
+            j, cut = max(1, int(np.searchsorted(ends, env.now))), True
+        run.keep(j)
+        if j > 1:
+            sched.advance_decodes(batch, ends[1:j])
+            for step_s in np.diff(ends[:j]).tolist():  # summed as iteration by iteration
+                self.busy_s += step_s
+            batch.plan = run.plan(j)
+        start = float(ends[j - 1])
+        if not cut:
+            return start, False
+        if sched.preemptible and sched.should_preempt():
+            preempted = yield from self._to_boundary(batch, env.now - start)
+        else:
+            preempted = yield from self._run_lookup(batch, start_s=start)
+        return start, preempted
+
+    def _run_lookup(self, batch: Batch, stop: int | None = None, start_s: float | None = None):
         """Run from the cursor to boundary ``stop`` (None: the end) in one timeout, leaving the
         cursor there; on an interrupt, run to the next preemptible boundary and return True
         (suspend) there. A stop is a suspended batch's cursor, itself a preemptible boundary,
-        so an interrupt before it suspends the batch at or before it."""
+        so an interrupt before it suspends the batch at or before it. ``start_s``: when the
+        iteration started, if before now (the one in progress when an arrival cut a
+        fast-forward; then no stop)."""
         env, plan = self.env, batch.plan
         offset = plan.offset(batch.cursor)
         end = plan.num_stages if stop is None else stop
-        start = env.now
+        start = env.now if start_s is None else start_s
         self._interruptible = self.sched.preemptible
         try:
-            yield env.timeout(plan.offset(end) - offset)
-            self.events += 1
+            if start_s is None:
+                yield env.timeout(plan.offset(end) - offset)
+                self.events += 1
+            else:
+                yield from self._until(start + (plan.total_s - offset))
             self._interruptible = False
             if stop is not None:
                 batch.cursor = stop
             return False
         except simpy.Interrupt:
             self._interruptible = False
-        elapsed = offset + (env.now - start)
+        return (yield from self._to_boundary(batch, offset + (env.now - start)))
+
+    def _until(self, t: float):
+        """Wait until the clock reads exactly t: a fast-forwarded run must end on the very
+        float that iteration-by-iteration steps reach."""
+        env = self.env
+        yield env.timeout(delay_to(env.now, t))
+        self.events += 1
+        if env.now < t:  # this close to t, t - now is exact and now + (t - now) is t
+            yield env.timeout(t - env.now)
+            self.events += 1
+
+    def _to_boundary(self, batch: Batch, elapsed: float):
+        """Asked to give way ``elapsed`` seconds into the iteration: run to the next
+        preemptible boundary and return True there, or to the end and return False."""
+        env, plan = self.env, batch.plan
         boundary = plan.next_boundary(elapsed, self.sched.granularity)
         if boundary is None:  # past the last boundary: never when a stop (itself one) is ahead
             yield env.timeout(plan.total_s - elapsed)

@@ -122,7 +122,8 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
         raise UserError(f"cluster.router={router_name}: {e}") from None
     env = simpy.Environment()
     replicas = [Simulation([], build_scheduler(cfg, profile), build_latency(cfg, profile, i),
-                           mode=cfg.boundary_mode, record_trace=record_trace, env=env)
+                           mode=cfg.boundary_mode, record_trace=record_trace, env=env,
+                           fast_forward=getattr(cfg, "fast_forward", True))
                 for i in range(n)]  # fmt: skip
     cluster = Cluster(requests, replicas, router, env,
                       on_finish=(lambda _: bar.update()) if bar else None)  # fmt: skip

@@ -1,0 +1,189 @@
+"""Fast-forwarded runs of decode iterations (sim.engine, ``fast_forward``) give every request
+exactly the results of the iteration-by-iteration path.
+
+Exact, not approximate: a run's iteration ends are accumulated left to right from the same
+durations (each computed by the same float operations as ``Plan.total_s``), SimPy's clock is
+made to land on each of them, and the routing picks are the same numbers in the same order, so
+the two paths see the very same floats. Any difference is a bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import linear_profile
+from hydra import compose, initialize_config_dir
+
+from policies import Request, Scheduler
+from policies.iteration import IterationFCFS
+from profiler.schema import OpPoint
+from sim import profiles
+from sim.app import CONF_DIR
+from sim.engine import Simulation, delay_to
+from sim.latency import Curve2D, LatencyModel, RoutingModel
+from sim.run import simulate
+
+TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "splitwise_conv.csv"
+
+WORKLOADS = {
+    # the conversation trace at its own rate: overloads one replica, long uncapped outputs
+    "conv": ["workload=trace", f"workload.path={TRACE}", "workload.num_requests=160"],
+    # short outputs, many arrivals per completion
+    "paper": ["workload=paper", "workload.num_requests=150", "workload.rate=6"],
+}
+POLICIES = {  # name -> overrides
+    "fcfs": ["policy=fcfs"],
+    "iteration": ["policy=iteration"],
+    "tgi-0.3": ["policy=tgi-0.3"],  # joins on a smaller ratio: more runs cut by the join rule
+    "priority": ["policy=priority"],
+    "alg1": ["policy=alg1"],
+    "alg1-guard": ["policy=alg1", "policy.be_max_wait_s=2.0"],  # reads the clock: no runs
+    "alg1-literal": ["policy=alg1", "policy.refill_be=false", "policy.fill_be_prefill=false"],
+    "layer": ["policy=layer"],
+    "qllm": ["policy=qllm"],
+    "qllm-in-flight": ["policy=qllm", "policy.max_in_flight=32"],
+    "qllm-router": ["policy=qllm", "policy.preempt_prefill=false"],
+    "qllm-merge": ["policy=qllm", "policy.merge=true"],
+    "vllm": ["policy=vllm"],
+    "vllm-chunked": ["policy=vllm", "policy.enable_chunked_prefill=true"],
+    "vllm-priority": ["policy=vllm", "policy.scheduling_policy=priority"],
+    "sglang": ["policy=sglang"],
+}
+
+
+def run(overrides, fast_forward):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, f"fast_forward={fast_forward}"])
+    return simulate(cfg)
+
+
+def assert_same(ff, ref):
+    assert ff.requests.equals(ref.requests)  # ttft, tpot, itl_max, finish, preemptions, ...
+    a = {s.id: s for s in ff.result.sequences}
+    for s in ref.result.sequences:  # every gap between tokens, bit for bit
+        assert a[s.id].token_gaps_s.tobytes() == s.token_gaps_s.tobytes(), s.id
+        assert a[s.id].generated == s.generated
+    for key in ("makespan_s", "iterations", "preemptions", "peak_kv_used_tokens"):
+        assert getattr(ff.result, key) == getattr(ref.result, key), key
+    assert ff.summary["cluster"] == ref.summary["cluster"]  # utilisation: busy time, summed
+    assert ff.timeline.equals(ref.timeline)
+
+
+@pytest.mark.parametrize("memory", ["reserve", "paged"])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_fast_forward_gives_every_request_the_results_of_stepping(policy, workload, memory):
+    overrides = [*POLICIES[policy], *WORKLOADS[workload], "profile=h200-mixtral-bf16",
+                 f"memory.model={memory}"]  # fmt: skip
+    ff, ref = run(overrides, True), run(overrides, False)
+    assert_same(ff, ref)
+    if policy in ("layer", "qllm", "qllm-router") and memory == "reserve":
+        assert ref.result.preemptions > 0  # the comparison covers runs cut by a preemption
+    # the fast path must really have run (where it may), or the comparison proves nothing
+    may = memory == "reserve" and policy not in ("alg1-guard", "vllm-chunked")
+    fewer = ff.result.events < ref.result.events
+    assert fewer == may, (ff.result.events, ref.result.events)
+
+
+@pytest.mark.parametrize("policy", ["iteration", "qllm", "qllm-merge"])
+def test_fast_forward_with_a_wake_up_after_idle_stretches(tmp_path, policy):
+    """A profile with a wake-up term, at a rate that leaves the server idle between requests:
+    the wake-up is charged once per idle stretch on both paths, busy time included."""
+    from profiler.schema import OpPoint
+    from sim import profiles
+
+    base = profiles.load("h200-mixtral-bf16")
+    wake = [OpPoint("wake_up", idle_ms=0), OpPoint("wake_up", median_ms=30.0, idle_ms=200)]
+    path = replace(base, points=base.points + wake).save(tmp_path / "woken")
+    overrides = [*POLICIES[policy], "workload=paper", "workload.num_requests=80",
+                 "workload.rate=0.5", f"profile.path={path}"]  # fmt: skip
+    ff, ref = run(overrides, True), run(overrides, False)
+    assert_same(ff, ref)
+    assert ff.result.events < ref.result.events
+    plain = run([*overrides[:-1], "profile=h200-mixtral-bf16"], True)
+    assert ff.result.makespan_s > plain.result.makespan_s  # the wake-ups were charged
+
+
+@pytest.mark.parametrize("policy", ["iteration", "qllm"])
+def test_fast_forward_in_a_cluster(policy):
+    overrides = [*POLICIES[policy], *WORKLOADS["conv"], "profile=h200-mixtral-bf16",
+                 "cluster.replicas=3", "cluster.router=least_outstanding"]  # fmt: skip
+    ff, ref = run(overrides, True), run(overrides, False)
+    assert_same(ff, ref)
+    assert ff.result.events < ref.result.events
+
+
+def test_one_vectorised_draw_is_the_single_draws_it_replaces():
+    """DecodeRun relies on it: numpy's ``integers(n, size=k)`` draws what k calls of
+    ``integers(n)`` draw and leaves the generator where they leave it."""
+    for seed in range(20):
+        one, many = np.random.default_rng(seed), np.random.default_rng(seed)
+        k = 1 + seed
+        singles = [int(one.integers(64)) for _ in range(k)]
+        assert many.integers(64, size=k).tolist() == singles
+        assert one.bit_generator.state == many.bit_generator.state
+
+
+def test_attention_of_a_run_at_once_is_the_attention_of_each_iteration():
+    """``Curve2D.within`` (a run's attention, vectorised) gives the floats ``Curve2D`` gives one
+    point at a time: on and between grid points, below the grid and at its end, on a measured
+    profile and on a grid whose steps are no powers of two (where the order of operations
+    shows in the last bit)."""
+    rng = np.random.default_rng(0)
+    odd = []
+    for b in (1, 3, 10, 50):
+        times_ms = np.sort(rng.uniform(0.1, 9, 4))
+        for kv, ms in zip((0, 100, 1000, 3000), times_ms, strict=True):
+            odd.append(OpPoint("attn_decode", batch_size=b, kv_tokens=kv, median_ms=float(ms),
+                               p90_ms=float(ms)))  # fmt: skip
+    measured = LatencyModel(profiles.load("h200-mixtral-bf16", None)).attn_decode
+    for curve in (measured, Curve2D(odd)):
+        end = min(row.xs[-1] for row in curve.rows)
+        keys = np.concatenate([np.arange(0, 3000), np.arange(end - 2000, end + 1)])
+        for batch_size in (1, 2, 3, 7, 24, 32, 49, 100, 256, 300):
+            at_once = curve.within(batch_size, keys)
+            one_by_one = [curve(batch_size, int(k)) for k in keys]
+            assert at_once.tolist() == one_by_one, batch_size
+
+
+def test_delay_lands_exactly_on_the_target_time():
+    """now + (t - now) can miss t (the first case below does, and no delay lands on t from
+    there: the sum steps over it); ``delay_to`` never passes t, and lands on it or close
+    enough that the second timeout of ``Simulation._until`` does."""
+    assert 8.537615059367454e-14 + (1.546262608947606 - 8.537615059367454e-14) != 1.546262608947606
+    rng = np.random.default_rng(1)
+    cases = [(8.537615059367454e-14, 1.546262608947606)]
+    for _ in range(2000):  # floats of few significant bits, where ties are common
+        now = float(np.ldexp(rng.integers(1, 2**12), rng.integers(-70, -40)))
+        cases.append((now, float(np.ldexp(rng.integers(2**52, 2**53), -52))))
+    for _ in range(2000):
+        now = float(rng.uniform(0, 10 ** rng.uniform(-3, 6)))
+        cases.append((now, now + float(rng.exponential(10 ** rng.uniform(-4, 3)))))
+    exact = 0
+    for now, t in cases:
+        reached = now + delay_to(now, t)
+        assert reached <= t and reached + (t - reached) == t
+        exact += reached == t
+    assert 0 < len(cases) - exact < len(cases) / 10  # the second timeout is seldom needed
+
+
+def test_a_lone_request_decodes_in_one_event():
+    """Events grow with arrivals and completions: a request alone is one prefill and one run
+    of 299 decode iterations, ending on the float that stepping reaches."""
+    profile = linear_profile(attn_ms=1.3, expert_ms=0.37, overhead_ms=2.9)
+    m = profile.model
+    for seed in range(10):
+        finishes = []
+        for fast_forward in (True, False):
+            routing = RoutingModel(m.num_layers, m.num_experts, m.top_k, seed=seed)
+            sched = Scheduler(IterationFCFS(), kv_capacity_tokens=100_000)
+            req = Request(0, "BE", 0.0, prompt_tokens=17 + seed, output_tokens=300)
+            sim = Simulation([req], sched, LatencyModel(profile, routing),
+                             fast_forward=fast_forward)  # fmt: skip
+            result = sim.run()
+            finishes.append(result.sequences[0].finish_s)
+            assert result.events == (2 if fast_forward else 300)
+        assert finishes[0] == finishes[1]
