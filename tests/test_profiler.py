@@ -276,23 +276,24 @@ def test_warm_ups_reach_the_largest_batch_and_prompt(monkeypatch):
 
 
 def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypatch):
-    """A device that slows its next steps down by 8 ms once it sat idle 20 ms or more: the
-    profiler measures about 8 ms at 60 ms of idle time and about none at 2 ms, 0 at 0."""
+    """A device that slows its next step down by 40 ms once it sat idle 50 ms or more: the
+    profiler measures about 40 ms at 150 ms of idle time and about none at 2 ms, 0 at 0. (The
+    margins are wide: the test runs on a shared machine.)"""
     runner = ModelRunner(build_model("tiny-mixtral")[0])
     run_steps, last = runner.run, [time.perf_counter()]
 
     def slow_after_idle(state):
-        if time.perf_counter() - last[0] >= 0.02:
-            time.sleep(0.008)
+        if time.perf_counter() - last[0] >= 0.05:
+            time.sleep(0.04)
         out = run_steps(state)
         last[0] = time.perf_counter()
         return out
 
     monkeypatch.setattr(runner, "run", slow_after_idle)
-    settings = Settings([4], [1], [8], [1], wake_idle_ms=(2, 60), wake_repeats=3)
+    settings = Settings([4], [1], [8], [1], wake_idle_ms=(2, 150), wake_repeats=3)
     points = {p.idle_ms: p for p in Profiler(runner, settings, torch.device("cpu")).wake_points()}
-    assert sorted(points) == [0, 2, 60] and points[0].median_ms == 0
-    assert points[2].median_ms < 4 and 5 < points[60].median_ms < 30
+    assert sorted(points) == [0, 2, 150] and points[0].median_ms == 0
+    assert points[2].median_ms < 20 < points[150].median_ms < 120
     assert all(p.op == "wake_up" and p.p90_ms >= p.median_ms for p in points.values())
 
 
