@@ -83,7 +83,7 @@ class Settings:
     routing_prompt_tokens: int = 64
     seed: int = 0
     wake_idle_ms: tuple[int, ...] = (2, 10, 50, 200, 1000)  # empty: no wake_up op
-    wake_repeats: int = 3
+    wake_repeats: int = 5
     chunk_kv: tuple[int, ...] = ()  # cached prefixes under each chunk; empty: no attn_chunk
 
     @classmethod
