@@ -1,5 +1,6 @@
-"""Shared fixtures: a small hand-made profile with simple, known op times; and in CI, no test
-may skip except those that need a GPU."""
+"""Shared fixtures: a small hand-made profile with simple, known op times; the float64 model and
+greedy reference tokens of the real engine's exactness tests; and in CI, no test may skip
+except those that need a GPU."""
 
 from __future__ import annotations
 
@@ -93,3 +94,26 @@ def step(s, now=0.0):
 
 def ids(batch):
     return [q.id for q in batch.sequences]
+
+
+def greedy_setup(requests, prompts=None, max_prompt_tokens: int = 64):
+    """(runner, requests, prompts, reference) for an exactness test: tiny-mixtral in float64
+    (argmax ties cannot flip by rounding) with larger random weights, so that greedy tokens
+    depend on the whole context; prompts built for the requests unless given; reference =
+    each request's tokens from ``model.generate(do_sample=False)`` on its prompt alone."""
+    import torch
+
+    from profiler.models import build_model
+    from profiler.ops import ModelRunner
+    from realrun.prompts import build_prompts
+
+    model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
+                           dtype="float64", seed=3)  # fmt: skip
+    if prompts is None:
+        requests, prompts = build_prompts(requests, 512, max_prompt_tokens, seed=0)
+    reference = {
+        r.id: model.generate(torch.tensor([prompts[r.id]]), do_sample=False,
+                             max_new_tokens=r.output_tokens)[0, r.prompt_tokens :].tolist()
+        for r in requests
+    }  # fmt: skip
+    return ModelRunner(model), requests, prompts, reference

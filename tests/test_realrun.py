@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from conftest import greedy_setup
 from omegaconf import OmegaConf
 
 from policies.core import BE, LS, Request
@@ -53,15 +54,7 @@ def one_thread():
 def f64():
     """float64 (argmax ties cannot flip by rounding) with larger random weights, so greedy
     tokens depend on the whole context (as the runner's own exactness tests do)."""
-    model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
-                           dtype="float64", seed=3)  # fmt: skip
-    requests, prompts = build_prompts(mixed_requests(), 512, max_prompt_tokens=64, seed=0)
-    reference = {
-        r.id: model.generate(torch.tensor([prompts[r.id]]), do_sample=False,
-                             max_new_tokens=r.output_tokens)[0, r.prompt_tokens :].tolist()
-        for r in requests
-    }  # fmt: skip
-    return ModelRunner(model), requests, prompts, reference
+    return greedy_setup(mixed_requests(), max_prompt_tokens=64)
 
 
 class RecordingScheduler(Scheduler):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import greedy_setup
 
 from policies.core import BE, LS, Request
 from policies.memory import PagedMemory
@@ -39,15 +40,7 @@ def f64():
     context), the workload and its greedy reference tokens."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
-                           dtype="float64", seed=3)  # fmt: skip
-    requests, prompts = workload()
-    reference = {
-        r.id: model.generate(torch.tensor([prompts[r.id]]), do_sample=False,
-                             max_new_tokens=r.output_tokens)[0, r.prompt_tokens :].tolist()
-        for r in requests
-    }  # fmt: skip
-    yield ModelRunner(model), requests, prompts, reference
+    yield greedy_setup(*workload())
     torch.set_num_threads(threads)
 
 

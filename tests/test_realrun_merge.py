@@ -8,15 +8,14 @@ import json
 
 import pytest
 import torch
+from conftest import greedy_setup
 from test_realrun import STAGE_S, mixed_requests, policy, run_cli
 
 from policies.core import Phase, Stage
 from policies.scheduler import Scheduler
-from profiler.models import build_model
-from profiler.ops import ModelRunner, RunnerError
+from profiler.ops import RunnerError
 from realrun.clock import VirtualClock
 from realrun.engine import RealEngine
-from realrun.prompts import build_prompts
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,15 +41,7 @@ class MergeRecording(Scheduler):
 @pytest.fixture(scope="module")
 def f64():
     """As test_realrun's: float64, weights large enough that tokens depend on the context."""
-    model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
-                           dtype="float64", seed=3)  # fmt: skip
-    requests, prompts = build_prompts(mixed_requests(), 512, max_prompt_tokens=64, seed=0)
-    reference = {
-        r.id: model.generate(torch.tensor([prompts[r.id]]), do_sample=False,
-                             max_new_tokens=r.output_tokens)[0, r.prompt_tokens :].tolist()
-        for r in requests
-    }  # fmt: skip
-    return ModelRunner(model), requests, prompts, reference
+    return greedy_setup(mixed_requests(), max_prompt_tokens=64)
 
 
 def test_merged_iterations_generate_exactly_the_greedy_tokens(f64):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import greedy_setup
 
 from policies.core import BE, LS, Request
 from policies.memory import PagedMemory
@@ -12,28 +13,17 @@ from policies.qllm import QLLM
 from policies.scheduler import Scheduler
 from policies.sglang import SGLang
 from policies.vllm import VLLM
-from profiler.models import build_model
-from profiler.ops import ModelRunner
 from realrun.clock import VirtualClock
 from realrun.engine import RealEngine
-from realrun.prompts import build_prompts
 
 
 @pytest.fixture(scope="module")
 def f64():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
-                           dtype="float64", seed=3)  # fmt: skip
     be = [Request(i, BE, 0.01 * i, 3 + (7 * i) % 37, 6 + i % 7) for i in range(10)]
     ls = [Request(10 + j, LS, 0.1 + 0.07 * j, 2 + (5 * j) % 23, 1 + j % 3) for j in range(8)]
-    requests, prompts = build_prompts(be + ls, 512, max_prompt_tokens=48, seed=0)
-    reference = {
-        r.id: model.generate(torch.tensor([prompts[r.id]]), do_sample=False,
-                             max_new_tokens=r.output_tokens)[0, r.prompt_tokens :].tolist()
-        for r in requests
-    }  # fmt: skip
-    yield ModelRunner(model), requests, prompts, reference
+    yield greedy_setup(be + ls, max_prompt_tokens=48)
     torch.set_num_threads(threads)
 
 

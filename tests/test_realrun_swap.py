@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_realrun_recompute import f64  # noqa: F401, F811 (the same requests, reference)
 
-from policies.core import BE, LS, Request
+from policies.core import BE, Request
 from policies.memory import PagedMemory
 from policies.qllm import QLLM
 from policies.scheduler import Scheduler
@@ -20,24 +21,6 @@ from realrun.engine import RealEngine
 from realrun.prompts import build_prompts
 
 
-@pytest.fixture(scope="module")
-def f64():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, _ = build_model({"name": "tiny-mixtral", "config": {"initializer_range": 0.2}},
-                           dtype="float64", seed=3)  # fmt: skip
-    be = [Request(i, BE, 0.01 * i, 3 + (7 * i) % 37, 6 + i % 7) for i in range(10)]
-    ls = [Request(10 + j, LS, 0.1 + 0.07 * j, 2 + (5 * j) % 23, 1 + j % 3) for j in range(8)]
-    requests, prompts = build_prompts(be + ls, 512, max_prompt_tokens=48, seed=0)
-    reference = {
-        r.id: model.generate(torch.tensor([prompts[r.id]]), do_sample=False,
-                             max_new_tokens=r.output_tokens)[0, r.prompt_tokens :].tolist()
-        for r in requests
-    }  # fmt: skip
-    yield ModelRunner(model), requests, prompts, reference
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize(
     "make",
     [
@@ -47,7 +30,7 @@ def f64():
     ],
     ids=["vllm", "sglang", "qllm-evict"],
 )
-def test_swapped_sequences_generate_exactly_the_greedy_tokens(f64, make, monkeypatch):
+def test_swapped_sequences_generate_exactly_the_greedy_tokens(f64, make, monkeypatch):  # noqa: F811
     runner, requests, prompts, reference = f64
     # host room for a few victims only: the others are recomputed
     memory = PagedMemory(120, 4, watermark=0.0, preemption="swap", swap_capacity_tokens=60)
