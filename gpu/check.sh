@@ -19,8 +19,8 @@
 # $OUT/check.tar.gz (all logs, the profile, everything written so far), so a timeout still
 # returns the earlier steps. At most 8 files come back from $OUT: these are 8.
 #
-# QLLM_CHECK_STEPS="env validate" runs only the steps named (default: all), for a rerun of one
-# step in what is left of a device lease.
+# QLLM_CHECK_STEPS="env validate" runs only the steps named (default: the six above), for a
+# rerun of one step in what is left of a device lease; "env modes" runs gpu/modes.py (~2 min).
 # QLLM_CHECK_DRY=1 (make gpu-check-dry): the same steps on the CPU with tiny-mixtral and small
 # grids, the GPU machine's missing packages hidden (gpu/dry/sitecustomize.py).
 set -u -o pipefail
@@ -117,7 +117,11 @@ step compare "${LIMITS[3]}" profile_compare.json $PY -m sim.compare_profiles "$R
 step preemption "${LIMITS[4]}" preemption.json $PY benchmarks/preemption_latency.py \
   --model "$MODEL" --device "$DEVICE" "${PREEMPTION_ARGS[@]}" --json "$R/preemption.json"
 step pytest_gpu "${LIMITS[5]}" "" $PY -m pytest -p no:cacheprovider -m gpu -rs \
-  tests/test_realrun.py tests/test_profiler.py
+  tests/test_realrun*.py tests/test_profiler.py
+# Not in the default steps: decode-step times free vs pinned to one core (gpu/modes.py), to
+# tell whether the two speed modes of the validation are the host thread moving between cores.
+step modes 150 modes.json $PY -m gpu.modes --model "$MODEL" --device "$DEVICE" \
+  --steps "$([ "$DRY" = 1 ] && echo 20 || echo 250)" --json "$R/modes.json"
 
 echo "check: done in $(($(date +%s) - START_S)) s; results in $OUT"
 rm -rf "$WORK"
