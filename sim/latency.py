@@ -389,9 +389,7 @@ class LatencyModel:
         routing: RoutingModel | None = None,
         prefill_attention: str | None = None,
     ) -> None:
-        self.profile = profile
         m = profile.model
-        self.num_layers = m.num_layers
         self.routing = routing or RoutingModel(m.num_layers, m.num_experts, m.top_k)
         self.attn_prefill = Curve1D(profile.op_points("attn_prefill"), "num_tokens")
         self.attn_decode = Curve2D(profile.op_points("attn_decode"))
