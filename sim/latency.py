@@ -199,13 +199,21 @@ class RoutingModel:
 
     def _subset_probabilities(self, weights: np.ndarray, subsets: list[tuple]) -> np.ndarray:
         """P(a token's top-k set is S) per layer: the sum over S's orderings of the
-        Plackett-Luce probability prod_j w[e_j] / (1 - sum_{i<j} w[e_i])."""
+        Plackett-Luce probability prod_j w[e_j] / (the weight of the experts not yet picked)."""
         k = self.top_k
         orders = np.array([o for s in subsets for o in itertools.permutations(s)])  # (P, k)
         w = weights[:, orders]  # (L, P, k)
-        before = np.cumsum(w, axis=-1) - w
-        with np.errstate(divide="ignore", invalid="ignore"):
-            p = np.nan_to_num(np.prod(w / (1.0 - before), axis=-1))
+        # The weight left is summed over the experts left, not taken as 1 - the weight picked:
+        # that difference rounds to 0 when one expert holds all but ~1e-16 of a layer's load,
+        # which would give the near-unloaded experts infinite odds.
+        unpicked = np.ones((len(orders), k, weights.shape[1]))
+        rows = np.arange(len(orders))
+        for j in range(1, k):
+            for later in range(j, k):
+                unpicked[rows, later, orders[:, j - 1]] = 0.0
+        # never 0: every layer has at least top_k loaded experts, so one is left to pick
+        left = (unpicked.reshape(-1, weights.shape[1]) @ weights.T).T.reshape(w.shape)
+        p = np.prod(w / left, axis=-1)
         return p.reshape(weights.shape[0], len(subsets), math.factorial(k)).sum(axis=-1)
 
     def _fit_subsets(self, subsets: list[tuple]) -> np.ndarray:

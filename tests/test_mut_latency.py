@@ -6,6 +6,7 @@ that the broader tests let survive (README, "Mutation testing")."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -131,7 +132,7 @@ def test_curve1d_reports_only_inputs_past_the_last_point():
     curve.scalar(8)
     assert curve.extrapolations() == []
     curve(np.array([2, 12]))
-    curve.scalar(10)
+    assert curve.scalar(10) == pytest.approx(10 * MS)  # two points: their slope, 1 ms a token
     assert curve.extrapolations() == ["router num_tokens up to 12 (grid ends at 8)"]
 
 
@@ -163,3 +164,35 @@ def test_an_idle_expert_costs_the_profiles_zero_token_point():
 def test_an_unknown_prefill_attention_mode_is_refused_listing_the_modes():
     with pytest.raises(ValueError, match=r"^must be one of \['per_prompt', 'batched'\]$"):
         LatencyModel(linear_profile(), prefill_attention="sometimes")
+
+
+@pytest.mark.parametrize("rest", [1e-20, 1e-12])
+def test_a_load_held_almost_wholly_by_one_expert_still_routes_by_the_load(rest):
+    """Load [1, r, r], top-2: every token picks expert 0 and then 1 or 2 with even odds. With r
+    below float rounding of 1 + r, "the weight left after expert 0" must not round to 0 (which
+    gave the near-unloaded experts every token, and expert 0 none)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no numpy overflow or division warning on the way
+        r = RoutingModel(1, 3, 2, mode="profile", expert_load=[[1.0, rest, rest]], seed=0)
+        counts = r.draw(1000)
+    assert counts[0, 0] == 1000
+    assert counts[0, 1] == pytest.approx(500, abs=60) and counts[0, 1] + counts[0, 2] == 1000
+
+
+def test_an_extreme_zipf_skew_picks_the_two_heaviest_experts():
+    """skew 60: rank 2 has 2^-60 of rank 1's load, rank 3 (2/3)^60 ~ 3e-11 of rank 2's."""
+    r = RoutingModel(2, 8, 2, mode="zipf", skew=60.0, seed=0)
+    counts = r.draw(100)
+    for layer, load in zip(counts, r.load, strict=True):
+        assert sorted(layer[np.argsort(load)[-2:]].tolist()) == [100, 100]
+        assert layer.sum() == 200
+
+
+def test_a_load_that_cannot_be_met_keeps_the_load_as_plackett_luce_weights():
+    """Load [3, 1, 1, 1] / 6, top-2: expert 0's share 1/2 would need it in every token's pair,
+    which the fit cannot reach without the others' shares, so the load stays the weights.
+    P({0, e}) = (1/2)(1/3) + (1/6)(3/5) = 4/15 for e = 1..3, so expert 0 is picked by 4/5 of
+    the tokens and each other expert by 2/5."""
+    r = RoutingModel(1, 4, 2, mode="profile", expert_load=[[3.0, 1.0, 1.0, 1.0]], seed=0)
+    counts = r.draw(100_000)[0]
+    np.testing.assert_allclose(counts / 100_000, [0.8, 0.4, 0.4, 0.4], atol=0.006)
