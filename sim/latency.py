@@ -227,7 +227,7 @@ class RoutingModel:
             share = p @ self.incidence / self.top_k
             if not fit.any() or np.allclose(share[fit], target[fit], rtol=1e-9, atol=1e-12):
                 break
-            with np.errstate(divide="ignore", invalid="ignore"):
+            with np.errstate(invalid="ignore"):  # 0 / 0: an unloaded expert, which stays 0
                 step = np.nan_to_num(target / share)
             w[fit] *= step[fit]
             w /= w.sum(axis=1, keepdims=True)

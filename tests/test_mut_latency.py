@@ -196,3 +196,24 @@ def test_a_load_that_cannot_be_met_keeps_the_load_as_plackett_luce_weights():
     r = RoutingModel(1, 4, 2, mode="profile", expert_load=[[3.0, 1.0, 1.0, 1.0]], seed=0)
     counts = r.draw(100_000)[0]
     np.testing.assert_allclose(counts / 100_000, [0.8, 0.4, 0.4, 0.4], atol=0.006)
+
+
+def test_each_layer_is_fitted_on_its_own():
+    """A layer whose load cannot be met does not stop the fit of a layer whose load can: the
+    second layer's shares of assignments still match its load [4, 3, 2, 1] / 10."""
+    load = [[3.0, 1.0, 1.0, 1.0], [4.0, 3.0, 2.0, 1.0]]
+    r = RoutingModel(2, 4, 2, mode="profile", expert_load=load, seed=0)
+    counts = r.draw(100_000)
+    np.testing.assert_allclose(counts[0] / 100_000, [0.8, 0.4, 0.4, 0.4], atol=0.006)
+    np.testing.assert_allclose(counts[1] / 200_000, [0.4, 0.3, 0.2, 0.1], atol=0.003)
+
+
+def test_an_expert_the_profile_never_saw_gets_no_token_and_no_numpy_warning():
+    """A measured load with an unused expert (common in a short profiling run) is fitted
+    quietly: [3, 3, 2, 0] / 8, top-2, gives shares of assignments 3/8, 3/8, 1/4, 0."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = RoutingModel(1, 4, 2, mode="profile", expert_load=[[3.0, 3.0, 2.0, 0.0]], seed=0)
+        counts = r.draw(100_000)[0]
+    assert counts[3] == 0
+    np.testing.assert_allclose(counts / 200_000, [0.375, 0.375, 0.25, 0.0], atol=0.003)
