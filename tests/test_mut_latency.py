@@ -217,3 +217,10 @@ def test_an_expert_the_profile_never_saw_gets_no_token_and_no_numpy_warning():
         counts = r.draw(100_000)[0]
     assert counts[3] == 0
     np.testing.assert_allclose(counts / 200_000, [0.375, 0.375, 0.25, 0.0], atol=0.003)
+
+
+def test_zipf_skew_defaults_to_one():
+    r = RoutingModel(3, 4, 2, mode="zipf", seed=0)
+    harmonic = 1 / np.arange(1, 5)
+    for layer in r.load:
+        np.testing.assert_allclose(np.sort(layer)[::-1], harmonic / harmonic.sum())
