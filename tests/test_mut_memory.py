@@ -119,3 +119,20 @@ def test_build_memory_passes_the_settings_through():
     default = build_memory("paged", 1600)
     assert (default.block_size_tokens, default.watermark_blocks) == (16, 1)
     assert isinstance(default, Memory) and default.name == "paged" and reserve.name == "reserve"
+
+
+def test_paged_defaults_are_16_token_blocks_and_a_1_percent_watermark():
+    mem = PagedMemory(1600)
+    assert (mem.block_size_tokens, mem.num_blocks, mem.watermark_blocks) == (16, 100, 1)
+    assert mem.admission_limit_tokens == 1584
+
+
+def test_one_token_blocks_grow_by_every_token():
+    mem = PagedMemory(10, block_size_tokens=1, watermark=0.0)
+    a = seq(0, 3, 5)
+    mem.admit(a)
+    assert mem.used_tokens == 3
+    for generated in range(1, 5):  # each decode writes one token: one more block
+        a.generated = generated
+        mem.grow(a)
+        assert mem.used_tokens == 3 + generated and mem.blocks == {0: 3 + generated}
