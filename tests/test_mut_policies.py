@@ -5,15 +5,24 @@ tests let survive (README, "Mutation testing")."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 from conftest import ids, step
 
 from policies import Phase, Request, Scheduler
+from policies.priority import Priority
+from policies.qllm import QLLM
 from policies.sglang import SGLang
 from policies.vllm import VLLM
 
 
 def req(i, cls="BE", prompt=4, out=10, t=0.0):
     return Request(i, cls, t, prompt, out)
+
+
+def ids_of(seqs):
+    return [q.id for q in seqs]
 
 
 # ------------------------------------------------------------------------------------- vllm
@@ -98,3 +107,55 @@ def test_sglang_the_larger_priority_goes_first():
     s.arrive(req(0), 0)
     s.arrive(req(1, "LS", t=0.1), 0.1)
     assert ids(step(s)) == [1, 0]
+
+
+# -------------------------------------------------------------------------------- scheduler
+def test_a_dropped_suspended_batch_frees_its_kv_and_activations_and_requeues_in_order():
+    """Reservations 8 + 9 tokens; 11 tokens in flight x 0.125 = 1.375, charged as 2."""
+    s = Scheduler(QLLM(max_batch_size=4), kv_capacity_tokens=1000,
+                  activation_tokens_per_token=0.125)  # fmt: skip
+    s.arrive(req(0, prompt=5, out=3), 0)
+    s.arrive(req(1, prompt=6, out=3, t=0.1), 0)
+    batch = s.next_batch(0)
+    assert ids(batch) == [0, 1] and s.kv_used_tokens == 17
+    assert s.activation_tokens(batch) == 2
+    s.preempt(0.5)
+    assert s.kv_used_tokens == s.held_tokens(batch) == 19 and s.in_system == 2
+    assert s.held_tokens(batch.sequences[1]) == 9
+    s.evict_suspended(batch)
+    assert s.kv_used_tokens == 0 and s.suspended == [] and s.recomputes == 2
+    assert [q.id for q in s.waiting["BE"]] == [0, 1]  # back at the front, in their order
+    assert all(q.evicted and q.recomputes == 1 for q in batch.sequences)
+
+
+def test_waiting_fifo_merges_the_classes_by_arrival_then_id():
+    s = Scheduler(QLLM(), kv_capacity_tokens=1000)
+    for i, cls, t in ((0, "BE", 0.1), (1, "LS", 0.1), (2, "LS", 0.2), (3, "BE", 0.3)):
+        s.arrive(req(i, cls, t=t), t)
+    assert [q.id for q in s.waiting_fifo()] == [0, 1, 2, 3]  # a tie goes to the lower id
+    assert [q.id for q in s.waiting_fifo(["BE"])] == [0, 3]
+
+
+def test_take_prefill_dry_run_and_reservation_cap():
+    s = Scheduler(QLLM(), kv_capacity_tokens=1000)
+    for i in range(4):
+        s.arrive(req(i, prompt=4, out=6), 0)  # 10 reserved each
+    dry = s.take_prefill(s.waiting["BE"], 8, 100, dry_run=True)
+    assert ids_of(dry) == [0, 1, 2, 3] and len(s.waiting["BE"]) == 4 and s.kv_used_tokens == 0
+    capped = s.take_prefill(s.waiting["BE"], 8, 100, max_reserved_tokens=30)
+    assert ids_of(capped) == [0, 1, 2] and s.kv_used_tokens == 30
+    assert [q.admission for q in capped] == [0, 1, 2]
+    assert s.take_prefill(s.waiting["BE"], 0, 100) == []  # no slot
+    assert s.take_prefill(s.waiting["BE"], 1, 3, alone_if_oversized=False) == []
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 2.0])
+def test_a_batch_size_must_be_a_positive_integer_or_null(value):
+    with pytest.raises(ValueError, match=f"^max_batch_size={value}: must be an integer >= 1, "
+                                         "or null for no cap$"):  # fmt: skip
+        Priority(max_batch_size=value)
+
+
+def test_a_null_batch_size_is_no_cap_and_the_defaults_are_32_and_4096():
+    assert Priority(max_batch_size=None).max_batch_size == math.inf
+    assert (Priority().max_batch_size, Priority().max_batch_prefill_tokens) == (32, 4096)
