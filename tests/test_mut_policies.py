@@ -11,6 +11,7 @@ import pytest
 from conftest import ids, step
 
 from policies import Phase, Request, Scheduler
+from policies.memory import PagedMemory
 from policies.priority import Priority
 from policies.qllm import QLLM
 from policies.sglang import SGLang
@@ -159,3 +160,116 @@ def test_a_batch_size_must_be_a_positive_integer_or_null(value):
 def test_a_null_batch_size_is_no_cap_and_the_defaults_are_32_and_4096():
     assert Priority(max_batch_size=None).max_batch_size == math.inf
     assert (Priority().max_batch_size, Priority().max_batch_prefill_tokens) == (32, 4096)
+
+
+def test_sglang_equal_priorities_admit_in_arrival_order_across_classes():
+    """SGLang orders its waiting queue by priority, then arrival: with LS and BE at the same
+    priority an earlier BE prompt goes first (a one-slot batch admits it, not the LS one)."""
+    s = Scheduler(SGLang(max_batch_size=1, ls_priority=5, be_priority=5), kv_capacity_tokens=100)
+    s.arrive(req(0, t=0.0), 0)
+    s.arrive(req(1, "LS", t=0.1), 0.1)
+    assert ids(step(s)) == [0]
+
+
+def test_sglang_fills_the_prefill_budget_exactly():
+    s = Scheduler(SGLang(max_batch_prefill_tokens=10), kv_capacity_tokens=10_000)
+    s.arrive(req(0, prompt=4), 0)
+    s.arrive(req(1, prompt=6), 0)
+    s.arrive(req(2, prompt=1), 0)
+    assert ids(step(s)) == [0, 1]  # 10 tokens: the budget, not over it
+
+
+def test_sglang_ls_arrivals_preempt_one_be_each_for_their_slots():
+    """Two BE requests fill both slots; two LS arrivals each need a slot: both BE requests are
+    preempted (the later arrival first), and both LS prompts run together."""
+    s = Scheduler(SGLang(max_batch_size=2), kv_capacity_tokens=10_000)
+    be = [s.arrive(req(0, out=20), 0), s.arrive(req(1, out=20), 0)]
+    step(s)
+    s.arrive(req(2, "LS", t=0.5), 0.5)
+    s.arrive(req(3, "LS", t=0.5), 0.5)
+    assert ids(step(s)) == [2, 3]
+    assert [q.recomputes for q in be] == [1, 1] and s.recomputes == 2
+    assert [q.id for q in s.waiting["BE"]] == [0, 1]
+
+
+def test_sglang_preempts_the_higher_id_among_equal_arrivals():
+    s = Scheduler(SGLang(max_batch_size=2), kv_capacity_tokens=10_000)
+    be = [s.arrive(req(0, out=20), 0), s.arrive(req(1, out=20), 0)]
+    step(s)
+    s.arrive(req(2, "LS", t=0.5), 0.5)
+    assert ids(step(s)) == [2] and [q.recomputes for q in be] == [0, 1]
+
+
+def _sglang_two_be_holding_20_of_30(ls_first=False):
+    """Reserve memory of 30: two BE requests hold 10 each (or an LS one and a BE one)."""
+    s = Scheduler(SGLang(), kv_capacity_tokens=30)
+    first = s.arrive(req(0, "LS" if ls_first else "BE", prompt=4, out=6), 0)
+    second = s.arrive(req(1, prompt=4, out=6, t=0.1), 0.1)
+    step(s)
+    return s, first, second
+
+
+@pytest.mark.parametrize(
+    ("need", "ls_first", "admitted", "recomputes"),
+    [
+        (11, False, True, 1),  # 1 token short: the latest BE goes, and only it
+        (20, False, True, 1),  # exactly one BE's 10: it is enough
+        (21, False, True, 2),  # 1 more than one BE frees: both go
+        (21, True, False, 0),  # only one BE to preempt, 1 token short: none goes
+        (20, True, True, 1),
+    ],
+)
+def test_sglang_preempts_for_kv_only_what_makes_the_ls_request_fit(
+    need, ls_first, admitted, recomputes
+):
+    s, first, second = _sglang_two_be_holding_20_of_30(ls_first)
+    ls = s.arrive(req(2, "LS", prompt=need - 6, out=6, t=1), 1)
+    batch = s.next_batch(1)
+    assert (ls in batch.sequences) is admitted
+    assert s.recomputes == recomputes
+    if recomputes == 1:
+        assert second.recomputes == 1  # the later arrival
+
+
+def test_chunked_vllm_fills_the_token_budget_to_the_token_and_never_passes_it():
+    """Budget 3, prompts 1, 1, 5, 2 (3 tokens out each): the first steps are the two short
+    prompts and 1 token of the long one, then decodes with the chunks that fit beside them."""
+    s = Scheduler(VLLM(max_num_batched_tokens=3, enable_chunked_prefill=True),
+                  kv_capacity_tokens=10_000)  # fmt: skip
+    for i, prompt in enumerate([1, 1, 5, 2]):
+        s.arrive(req(i, prompt=prompt, out=3), 0)
+    steps = []
+    while s.in_system:
+        batch = s.next_batch(0)
+        steps.append([(q.id, q.new_tokens) for q in batch.sequences])
+        s.complete_iteration(0)
+    assert steps == [
+        [(0, 1), (1, 1), (2, 1)],
+        [(0, 1), (1, 1), (2, 1)],
+        [(0, 1), (1, 1), (2, 1)],
+        [(2, 2), (3, 1)],
+        [(2, 1), (3, 1)],
+        [(2, 1), (3, 1)],
+        [(3, 1)],
+    ]
+
+
+def test_chunked_vllm_fills_every_free_slot():
+    s = Scheduler(VLLM(max_num_seqs=3, enable_chunked_prefill=True), kv_capacity_tokens=10_000)
+    for i in range(4):
+        s.arrive(req(i, prompt=1), 0)
+    assert ids(s.next_batch(0)) == [0, 1, 2]
+
+
+def test_chunked_vllm_admits_nothing_in_the_step_after_a_preemption():
+    """As the one-phase form (test_engines): two BE requests outgrow 6 blocks of 4 and the later
+    one is preempted; an LS prompt that fits in the free block waits one step."""
+    s = Scheduler(VLLM(scheduling_policy="priority", enable_chunked_prefill=True),
+                  kv_capacity_tokens=24, memory=PagedMemory(24, 4, watermark=0.0))  # fmt: skip
+    s.arrive(req(0, out=12), 0)
+    s.arrive(req(1, out=12, t=0.1), 0)
+    while s.recomputes == 0:
+        step(s)
+    s.arrive(req(2, "LS", prompt=1, out=1, t=1), 1)
+    assert ids(step(s, 1)) == [0]
+    assert ids(s.next_batch(1)) == [0, 2]
