@@ -273,3 +273,30 @@ def test_chunked_vllm_admits_nothing_in_the_step_after_a_preemption():
     s.arrive(req(2, "LS", prompt=1, out=1, t=1), 1)
     assert ids(step(s, 1)) == [0]
     assert ids(s.next_batch(1)) == [0, 2]
+
+
+def test_vllm_fcfs_puts_a_preempted_request_before_every_waiting_one():
+    """Under fcfs the preempted request goes back to the front of the one waiting queue, ahead
+    of an LS request that arrived while it ran; the LS prompt (one block, which is free) may not
+    overtake it while it waits for its 3 blocks."""
+    s = Scheduler(VLLM(max_num_seqs=2), kv_capacity_tokens=24, memory=PagedMemory(24, 4, 0.0))
+    s.arrive(req(0, out=12), 0)
+    s.arrive(req(1, out=12, t=0.1), 0.1)
+    step(s)
+    s.arrive(req(2, "LS", prompt=1, out=2, t=0.2), 0.2)
+    while s.recomputes == 0:
+        step(s)
+    steps = []
+    for _ in range(3):
+        batch = step(s, 1)
+        steps.append((batch.phase, ids(batch)))
+    assert steps == [(Phase.DECODE, [0]), (Phase.DECODE, [0]), (Phase.PREFILL, [1, 2])]
+
+
+def test_vllm_defaults_and_option_names():
+    vllm = VLLM()
+    assert (vllm.max_batch_size, vllm.max_batch_prefill_tokens) == (256, 8192)
+    with pytest.raises(ValueError, match="^max_num_seqs=0: must be an integer >= 1$"):
+        VLLM(max_num_seqs=0)
+    with pytest.raises(ValueError, match="^max_num_seqs=True: must be an integer >= 1$"):
+        VLLM(max_num_seqs=True)
