@@ -300,3 +300,29 @@ def test_vllm_defaults_and_option_names():
         VLLM(max_num_seqs=0)
     with pytest.raises(ValueError, match="^max_num_seqs=True: must be an integer >= 1$"):
         VLLM(max_num_seqs=True)
+
+
+@pytest.mark.parametrize(("ls_priority", "preempts"), [(10, False), (11, True)])
+def test_sglang_default_threshold_10_and_be_priority_0(ls_priority, preempts):
+    """LS must outrank BE (priority 0 by default) by more than 10 (the default threshold)."""
+    s = Scheduler(SGLang(max_batch_size=1, ls_priority=ls_priority), kv_capacity_tokens=100)
+    s.arrive(req(0, out=20), 0)
+    step(s)
+    s.arrive(req(1, "LS", t=0.5), 0.5)
+    assert (ids(step(s)) == [1]) is preempts and s.recomputes == int(preempts)
+
+
+@pytest.mark.parametrize("threshold", [-1, True, 2.5])
+def test_sglang_threshold_must_be_an_integer_of_at_least_0(threshold):
+    key = "priority_scheduling_preemption_threshold"
+    with pytest.raises(ValueError, match=f"^{key}={threshold}: must be an integer >= 0$"):
+        SGLang(priority_scheduling_preemption_threshold=threshold)
+
+
+def test_sglang_threshold_0_preempts_for_any_higher_priority():
+    policy = SGLang(max_batch_size=1, ls_priority=1, priority_scheduling_preemption_threshold=0)
+    s = Scheduler(policy, kv_capacity_tokens=100)
+    s.arrive(req(0, out=20), 0)
+    step(s)
+    s.arrive(req(1, "LS", t=0.5), 0.5)
+    assert ids(step(s)) == [1]
