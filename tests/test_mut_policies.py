@@ -119,7 +119,7 @@ def test_a_dropped_suspended_batch_frees_its_kv_and_activations_and_requeues_in_
     s.arrive(req(1, prompt=6, out=3, t=0.1), 0)
     batch = s.next_batch(0)
     assert ids(batch) == [0, 1] and s.kv_used_tokens == 17
-    assert s.activation_tokens(batch) == 2
+    assert s.activation_tokens(batch) == 2 and s.held_tokens(batch) == 17  # nothing suspended
     s.preempt(0.5)
     assert s.kv_used_tokens == s.held_tokens(batch) == 19 and s.in_system == 2
     assert s.held_tokens(batch.sequences[1]) == 9
@@ -326,3 +326,14 @@ def test_sglang_threshold_0_preempts_for_any_higher_priority():
     step(s)
     s.arrive(req(1, "LS", t=0.5), 0.5)
     assert ids(step(s)) == [1]
+
+
+def test_every_recompute_of_a_sequence_is_counted():
+    s = Scheduler(QLLM(), kv_capacity_tokens=100)
+    seq = s.arrive(req(0, prompt=4, out=10), 0)
+    for n in (1, 2):
+        step(s)  # a (re-)prefill
+        s.ready["BE"].remove(seq)
+        s.evict(seq)
+        assert seq.recomputes == s.recomputes == n and s.kv_used_tokens == 0
+    assert ids(step(s)) == [0] and seq.generated == 3  # kept its 2 tokens, made a third
