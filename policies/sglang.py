@@ -82,8 +82,11 @@ class SGLang(Policy):
         return math.inf
 
     def _waiting(self, s: Scheduler) -> list[Sequence]:
-        """The waiting queue in priority order (a snapshot: admission changes the queues)."""
-        first, second = (LS, BE) if self.priority[LS] >= self.priority[BE] else (BE, LS)
+        """The waiting queue in priority order, arrival order within a priority (a snapshot:
+        admission changes the queues)."""
+        if self.priority[LS] == self.priority[BE]:  # one priority: arrival order across classes
+            return list(s.waiting_fifo())
+        first, second = (LS, BE) if self.priority[LS] > self.priority[BE] else (BE, LS)
         return list(s.waiting[first]) + list(s.waiting[second])
 
     def _preempt_for(self, s: Scheduler, seq: Sequence, need_slot: bool) -> bool:

@@ -234,13 +234,21 @@ class RoutingModel:
 
     def _subset_probabilities(self, weights: np.ndarray, subsets: list[tuple]) -> np.ndarray:
         """P(a token's top-k set is S) per layer: the sum over S's orderings of the
-        Plackett-Luce probability prod_j w[e_j] / (1 - sum_{i<j} w[e_i])."""
+        Plackett-Luce probability prod_j w[e_j] / (the weight of the experts not yet picked)."""
         k = self.top_k
         orders = np.array([o for s in subsets for o in itertools.permutations(s)])  # (P, k)
         w = weights[:, orders]  # (L, P, k)
-        before = np.cumsum(w, axis=-1) - w
-        with np.errstate(divide="ignore", invalid="ignore"):
-            p = np.nan_to_num(np.prod(w / (1.0 - before), axis=-1))
+        # The weight left is summed over the experts left, not taken as 1 - the weight picked:
+        # that difference rounds to 0 when one expert holds all but ~1e-16 of a layer's load,
+        # which would give the near-unloaded experts infinite odds.
+        unpicked = np.ones((len(orders), k, weights.shape[1]))
+        rows = np.arange(len(orders))
+        for j in range(1, k):
+            for later in range(j, k):
+                unpicked[rows, later, orders[:, j - 1]] = 0.0
+        # never 0: every layer has at least top_k loaded experts, so one is left to pick
+        left = (unpicked.reshape(-1, weights.shape[1]) @ weights.T).T.reshape(w.shape)
+        p = np.prod(w / left, axis=-1)
         return p.reshape(weights.shape[0], len(subsets), math.factorial(k)).sum(axis=-1)
 
     def _fit_subsets(self, subsets: list[tuple]) -> np.ndarray:
@@ -254,7 +262,7 @@ class RoutingModel:
             share = p @ self.incidence / self.top_k
             if not fit.any() or np.allclose(share[fit], target[fit], rtol=1e-9, atol=1e-12):
                 break
-            with np.errstate(divide="ignore", invalid="ignore"):
+            with np.errstate(invalid="ignore"):  # 0 / 0: an unloaded expert, which stays 0
                 step = np.nan_to_num(target / share)
             w[fit] *= step[fit]
             w /= w.sum(axis=1, keepdims=True)
@@ -426,9 +434,7 @@ class LatencyModel:
         routing: RoutingModel | None = None,
         prefill_attention: str | None = None,
     ) -> None:
-        self.profile = profile
         m = profile.model
-        self.num_layers = m.num_layers
         self.routing = routing or RoutingModel(m.num_layers, m.num_experts, m.top_k)
         self.attn_prefill = Curve1D(profile.op_points("attn_prefill"), "num_tokens")
         self.attn_decode = Curve2D(profile.op_points("attn_decode"))
