@@ -18,7 +18,7 @@
 5. Per-iteration error: every executed segment of every real run (``RealResult.segments``)
    beside the latency model's prediction for that very batch (the mean over routing draws of
    the plan's time from the segment's start cursor to its end, plus the resume switch and the
-   wake-up after an idle gap that the simulator charges): ``iterations.csv`` (one row per
+   wake-up after an idle gap that the simulator charges): ``iterations.csv.gz`` (one row per
    segment) and ``iteration_errors.json`` (the error by phase, batch size, context and
    segment kind), printed as a second table.
 """
@@ -321,7 +321,7 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     (out / "validation.json").write_text(json.dumps(records, indent=1) + "\n")
     errors = iteration_errors(rows)
     (out / "iteration_errors.json").write_text(json.dumps(errors, indent=1) + "\n")
-    pd.DataFrame(rows).to_csv(out / "iterations.csv", index=False, float_format="%.6g")
+    pd.DataFrame(rows).to_csv(out / "iterations.csv.gz", index=False, float_format="%.6g")
     plot(records, out / "validation.png")
     return records, out
 

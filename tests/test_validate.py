@@ -73,7 +73,7 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, 
     ops = pd.read_csv(out / "profile" / "ops.csv")
     assert sorted(ops[ops["op"] == "wake_up"]["idle_ms"]) == [0, 5, 40]
     # every executed segment of every real run, beside its prediction
-    segments = pd.read_csv(out / "iterations.csv")
+    segments = pd.read_csv(out / "iterations.csv.gz")
     assert set(segments["replay"]) == {0, 1} and set(segments["policy"]) == {"fcfs", "qllm"}
     assert (segments["measured_s"] > 0).all() and (segments["predicted_s"] > 0).all()
     assert segments["error_pct"].to_numpy() == pytest.approx(
