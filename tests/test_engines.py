@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import linear_profile
+from conftest import ids, linear_profile, step
 
 from policies import Phase, Request, Scheduler
 from policies.memory import PagedMemory
@@ -15,17 +15,6 @@ from sim.latency import LatencyModel, RoutingModel
 
 def req(i, cls="BE", prompt=4, out=10, t=0.0):
     return Request(i, cls, t, prompt, out)
-
-
-def step(s, now=0.0):
-    batch = s.next_batch(now)
-    if batch is not None:
-        s.complete_iteration(now)
-    return batch
-
-
-def ids(batch):
-    return [q.id for q in batch.sequences]
 
 
 def paged(capacity, block=4):

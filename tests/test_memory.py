@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import linear_profile
+from conftest import linear_profile, step
 from hydra import compose, initialize_config_dir
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -28,14 +28,6 @@ from sim.run import simulate
 
 def req(i, cls="BE", prompt=10, out=5, t=0.0):
     return Request(i, cls, t, prompt, out)
-
-
-def step(s, now=0.0):
-    """Run one iteration to its end."""
-    batch = s.next_batch(now)
-    if batch is not None:
-        s.complete_iteration(now)
-    return batch
 
 
 def paged(capacity, block=4, watermark=0.0):
