@@ -13,7 +13,11 @@ than inside an iteration, where the rest of the model streamed through the cache
   attention, router, expert and lm_head stages (that is the prepare stage, the stages of
   experts that received no token, the dispatch between stages, and the skew of stage times:
   the simulator adds per-stage medians, and this term makes them add up to the measured mean
-  iteration, which is what mean TTFT and turnaround are made of);
+  iteration, which is what mean TTFT and turnaround are made of); the same iterations once
+  more, each binding its padded KV anew (the first step of a new decode batch copies every
+  sequence's cache into the batch's buffer), give ``attn_decode_bind(B, kv)``: on
+  tiny-mixtral, 1 thread, binding costs 1.1x a step at batch 4 and 1.4-2.1x at batch 32-64,
+  all of it in the attention stages;
 - every expert stage of both gives a sample of ``expert(n)``, n its queue size; samples are
   pooled in bins around ``grid.expert_tokens`` (a point per bin: median n, median time);
 - ``attn_chunk(n, kv)`` (``grid.chunk_kv``, optional): iterations of one sequence feeding a
@@ -198,12 +202,15 @@ class Profiler:
     def prompts(self, lengths: list[int]) -> list[KVSequence]:
         return [self.runner.new_sequence(self.random_ids(n)) for n in lengths]
 
-    def repeat(self, seqs: list[KVSequence]) -> list[tuple[float, list[StageTime]]]:
+    def repeat(self, seqs: list[KVSequence], bind: bool = False) -> list[tuple[float, list]]:
         """``repeats`` timed runs of one iteration of ``seqs`` (after ``warmup`` untimed),
-        rewinding the sequences after each."""
+        rewinding the sequences after each; ``bind``: each decode step binds its padded KV
+        anew, as the first step of a new batch does (else all but the first reuse it)."""
         marks = [(len(s.token_ids), s.num_cached) for s in seqs]
         runs = []
         for i in range(self.settings.warmup + self.settings.repeats):
+            if bind:
+                self.runner.unbind()
             run = self.clock.iteration(self.runner, seqs)
             if i >= self.settings.warmup:
                 runs.append(run)
@@ -258,6 +265,10 @@ class Profiler:
         seqs = self.prompts(lengths)
         self.runner.run(self.runner.begin(seqs))  # the prefill: kv cached, one token to feed
         self.record(self.repeat(seqs), num_tokens=batch, batch=batch, kv=kv)
+        for _, stages in self.repeat(seqs, bind=True):  # only attention binds (measured)
+            self.samples[("attn_decode_bind", batch, 0, kv)] += [
+                st.ms for st in stages if st.ref.stage == "attention"
+            ]
 
     def warm_up(self) -> None:
         """One prefill of the longest prompt and one decode step of the largest batch before

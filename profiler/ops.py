@@ -301,6 +301,9 @@ class IterationState:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     masks: list | None = None  # per sequence feeding several tokens; the decode rows' last
     batch_kv: _BatchKV | None = None  # the decode rows' caches for batched attention
+    # its decode rows bind a new padded buffer (a new decode batch: each layer's attention
+    # first copies their caches into it) rather than reuse the last iteration's
+    bound: bool = False
     next_tokens: list[int | None] | None = None  # set by lm_head (None: a partial chunk)
     # A merged iteration (``ModelRunner.merge``): the iterations it joined, in token order,
     # each keeping what its own attention needs (offsets, rope, masks, batch KV); the merged
@@ -571,6 +574,7 @@ class ModelRunner:
             routing=routing,
             pending_layer=first.pending_layer,
             groups=groups,
+            bound=first.bound or second.bound,
         )
         for g in groups:  # their token-wise tensors now live in the merged state only
             g.hidden = g.moe_out = g.shared_out = g.routing = None
@@ -622,7 +626,9 @@ class ModelRunner:
         """Set up batched attention for sequences feeding one token each (at ``positions``,
         their cached lengths, on the device): ``state.batch_kv``; returns their padding mask."""
         lengths = [s.num_cached + 1 for s in seqs]
+        last = None if self._padded is None else self._padded()
         padded = self._padded_kv(seqs, max(lengths))
+        state.bound = padded is not last
         state.batch_kv = _BatchKV(padded, seqs, lengths, positions)
         return self._decode_mask(lengths, positions)
 
@@ -635,6 +641,11 @@ class ModelRunner:
             padded = _PaddedKV(seqs, capacity)
             self._padded = weakref.ref(padded)
         return padded
+
+    def unbind(self) -> None:
+        """Forget the last decode batch's padded KV: the next decode step binds a new one, as
+        a new batch does (the profiler times binding steps this way)."""
+        self._padded = None
 
     def _prefill_mask(self, state: IterationState, i: int):
         s, n = state.sequences[i], state.offsets[i + 1] - state.offsets[i]

@@ -50,6 +50,13 @@ op                        key columns (others are 0)     what was timed
                                                          with kv_tokens cached (the executor
                                                          pads a batch to its longest context,
                                                          so the model reads it at the max)
+``attn_decode_bind``      batch_size, kv_tokens          optional: ``attn_decode`` in the
+                                                         first step of a new decode batch,
+                                                         which copies every sequence's cache
+                                                         into the batch's padded buffer
+                                                         (profiler.ops' ``_PaddedKV``); a
+                                                         step of the same batch reuses it;
+                                                         absent: binding is free
 ``router``                num_tokens                     post-attention norm + gate + top-k
                                                          + gather into per-expert queues
 ``expert``                num_tokens                     one expert's FFN on n tokens (the
@@ -104,6 +111,7 @@ READABLE_VERSIONS = (1, 2)  # version 1: no idle_ms column
 OPS: dict[str, tuple[str, ...]] = {
     "attn_prefill": ("num_tokens",),
     "attn_decode": ("batch_size", "kv_tokens"),
+    "attn_decode_bind": ("batch_size", "kv_tokens"),
     "router": ("num_tokens",),
     "expert": ("num_tokens",),
     "lm_head": ("batch_size",),
@@ -113,12 +121,14 @@ OPS: dict[str, tuple[str, ...]] = {
     "preempt_switch": ("num_tokens",),
     "wake_up": ("idle_ms",),
 }
-OPTIONAL_OPS = frozenset({"attn_prefill_batch", "attn_chunk", "preempt_switch", "wake_up"})
+OPTIONAL_OPS = frozenset(
+    {"attn_decode_bind", "attn_prefill_batch", "attn_chunk", "preempt_switch", "wake_up"}
+)
 PREFILL_ATTENTION = ("per_prompt", "batched")
 # Ops whose samples repeat one shape (all layers of a few identical iterations). Expert points
 # pool different queue sizes and step_overhead is one residual per shape: their spread is not
 # noise.
-REPEATED_OPS = ("attn_prefill", "attn_decode", "router", "lm_head")
+REPEATED_OPS = ("attn_prefill", "attn_decode", "attn_decode_bind", "router", "lm_head")
 # A point whose p90 exceeds its median this many times had at least a tenth of its repeats
 # slowed down that much by something else. The tiny-mixtral profile in results/validation,
 # taken on a quiet machine, has 1.54x at worst (median 1.22x); on this project's 2-core machine

@@ -65,6 +65,7 @@ class Segment:
     idle_s: float
     preempted: bool
     merged: bool = False  # ended where it merged with a suspended batch (the rest runs merged)
+    bound: bool = False  # its iteration's decode steps bound a new padded KV (a new batch)
 
     @property
     def measured_s(self) -> float:
@@ -255,4 +256,4 @@ class RealEngine:
         self._idle_since = None  # busy until the scheduler next has nothing to run
         self.segments.append(Segment(batch.id, batch.phase.value, self._shapes[batch.id],
                                      start_cursor, end_cursor, start_s, end_s, idle_s,
-                                     preempted, merged))  # fmt: skip
+                                     preempted, merged, batch.plan.bound))  # fmt: skip

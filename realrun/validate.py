@@ -183,11 +183,13 @@ def shape_batch(phase: str, shape: list[tuple[str, int, int]]) -> Batch:
 
 def predict_segment(latency, segment, draws: int = PREDICTION_DRAWS) -> tuple[float, float]:
     """(predicted seconds, of which wake-up) of a recorded segment, as the simulator charges
-    it: the plan's time from the start to the end cursor (mean over routing draws), the
-    switch of a resumed batch, and the wake-up after the idle time before it."""
+    it: the plan's time from the start to the end cursor (mean over routing draws; binding a
+    new padded KV when the engine did), the switch of a resumed batch, and the wake-up after
+    the idle time before it."""
     batch = shape_batch(segment.phase, segment.shape)
     run_s = statistics.fmean(
-        (plan := latency.plan(batch)).offset(segment.end_cursor) - plan.offset(segment.start_cursor)
+        (plan := latency.plan(batch, segment.bound)).offset(segment.end_cursor)
+        - plan.offset(segment.start_cursor)
         for _ in range(draws)
     )
     if segment.start_cursor:
@@ -221,7 +223,8 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency) -> 
         rows.append({"policy": policy, "rate": rate, "replay": replay, "batch": seg.batch,
                      "phase": seg.phase, "size": len(seg.shape), "tokens": phase_tokens,
                      "start_cursor": seg.start_cursor, "end_cursor": seg.end_cursor,
-                     "kind": kind, "idle_s": seg.idle_s, "measured_s": measured_s,
+                     "kind": kind, "bound": seg.bound, "idle_s": seg.idle_s,
+                     "measured_s": measured_s,
                      "predicted_s": predicted_s, "wake_s": wake_s,
                      "error_pct": 100 * (predicted_s - measured_s) / measured_s
                      if measured_s > 0 else math.nan})  # fmt: skip
@@ -230,7 +233,8 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency) -> 
 
 def iteration_errors(rows: list[dict]) -> list[dict]:
     """The per-iteration error by group: phase x batch size, phase x tokens (prefill: prompt
-    tokens; decode: longest context), segment kind, and whether an idle gap came before.
+    tokens; decode: longest context), segment kind, whether an idle gap came before, and
+    whether a decode iteration bound a new padded KV (a new batch) or reused the last one.
     ``time_error_pct`` compares the group's summed predicted and measured time (what a run's
     makespan sees); ``median_error_pct`` is the typical iteration's."""
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -239,6 +243,8 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
                 (f"{r['phase']} tokens", bucket(r["tokens"], TOKEN_BUCKETS)),
                 ("segment", r["kind"]),
                 ("after idle", "yes" if r["idle_s"] > 1e-3 else "no")]  # fmt: skip
+        if r["phase"] != Phase.PREFILL.value:
+            keys.append((f"{r['phase']} KV", "bound" if r["bound"] else "reused"))
         for key in keys:
             groups.setdefault(key, []).append(r)
     out = []
@@ -255,7 +261,7 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
                     "time_error_pct": 100 * (predicted - measured) / measured,
                     "measured_ms_median": 1e3 * statistics.median(m["measured_s"]
                                                                   for m in members)})  # fmt: skip
-    order = {"all": 0, "segment": 3, "after idle": 4}
+    order = {"all": 0, "segment": 3, "after idle": 4, "decode KV": 5, "mixed KV": 5}
     out.sort(key=lambda g: (order.get(g["by"], 1 if g["by"].startswith("prefill") else 2),
                             g["by"], _bucket_key(g["value"])))  # fmt: skip
     return out

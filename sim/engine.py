@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from policies.core import Batch, Request
+from policies.core import Batch, Phase, Request
 from policies.core import Sequence as Seq
 from policies.scheduler import Scheduler
 from sim.latency import DecodeRun, LatencyModel
@@ -103,6 +103,8 @@ class Simulation:
         self._interruptible = False
         self._in_run = False  # in a fast-forwarded run of decode iterations: any arrival cuts it
         self._arrivals_done = False
+        # the sequences (ids, in order) of the last decode steps, whose padded KV is bound
+        self._bound: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------------------ processes
     def _arrivals(self):
@@ -148,7 +150,7 @@ class Simulation:
                 self.events += 1
                 continue
             if batch.plan is None:
-                batch.plan = self.latency.plan(batch)
+                batch.plan = self.latency.plan(batch, self._binds(batch))
             start = env.now
             if self._idle_since is not None:  # the device sat idle: it wakes up first
                 wake_s = self.latency.wake_s(env.now - self._idle_since)
@@ -191,6 +193,18 @@ class Simulation:
                 for seq in sched.complete_iteration(env.now):
                     if self.on_finish is not None:
                         self.on_finish(seq)
+
+    def _binds(self, batch: Batch) -> bool:
+        """Whether the batch's decode steps bind a new padded KV buffer: they are not the last
+        decode steps' sequences, in that order. The real runner keeps the buffer of its last
+        decode batch only; a prefill leaves it, a suspended batch keeps its own."""
+        if self.latency.attn_decode_bind is None:  # binding is free: no need to track it
+            return False
+        ids = tuple(s.id for s in batch.sequences if s.phase is Phase.DECODE)
+        if not ids or ids == self._bound:
+            return False
+        self._bound = ids
+        return True
 
     def _merge(self, partner: Batch):
         """The running batch has reached ``partner``'s cursor: merge them and plan the rest of

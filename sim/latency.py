@@ -426,7 +426,9 @@ class LatencyModel:
     over a cached prefix costs the profile's ``attn_chunk`` (prefix, chunk) when it has that
     op, else ``attn_prefill`` of the chunk's own tokens. ``switch_s`` is the context-switch
     cost a suspended batch pays when it resumes: the profile's ``preempt_switch`` at the batch's
-    new tokens, 0 for a profile without that op."""
+    new tokens, 0 for a profile without that op. ``plan(batch, bind=True)``: the batch's decode
+    steps bind a new padded KV buffer (the executor knows: a decode batch other than the last
+    one), whose attention costs the profile's ``attn_decode_bind`` (absent: ``attn_decode``)."""
 
     def __init__(
         self,
@@ -439,6 +441,8 @@ class LatencyModel:
         self.attn_prefill = Curve1D(profile.op_points("attn_prefill"), "num_tokens")
         self.attn_decode = Curve2D(profile.op_points("attn_decode"))
         self._decode_grid_kv = min(row.xs[-1] for row in self.attn_decode.rows)
+        bind_points = profile.op_points("attn_decode_bind")
+        self.attn_decode_bind = Curve2D(bind_points) if bind_points else None
         self.router = Curve1D(profile.op_points("router"), "num_tokens")
         self.expert = Curve1D(profile.op_points("expert"), "num_tokens")
         # an expert stage with no token: the profile's expert point at 0 tokens, if any
@@ -468,7 +472,8 @@ class LatencyModel:
         self._pool_sums: dict[int, np.ndarray] = {}  # each pool sample's float(times.sum())
 
     def curves(self) -> list[Curve1D | Curve2D]:
-        curves = [self.attn_prefill, self.attn_decode, self.router, self.expert, self.lm_head]
+        curves = [self.attn_prefill, self.attn_decode, self.attn_decode_bind, self.router]
+        curves += [self.expert, self.lm_head]
         curves += [self.overhead, self.attn_prefill_batch, self.attn_chunk, self.switch]
         return [c for c in curves if c is not None]
 
@@ -488,7 +493,10 @@ class LatencyModel:
             return 0.0
         return self.wake.scalar(min(round(idle_s * 1e3, 3), self.wake.xs[-1]))
 
-    def attention_s(self, batch: Batch) -> float:
+    def attention_s(self, batch: Batch, bind: bool = False) -> float:
+        decode = (
+            self.attn_decode if not bind or self.attn_decode_bind is None else self.attn_decode_bind
+        )
         if batch.phase is Phase.PREFILL:
             if self.prefill_batched:
                 return self.attn_prefill_batch(batch.size, batch.new_tokens)
@@ -498,11 +506,11 @@ class LatencyModel:
             dec = [s for s in batch.sequences if s.phase is Phase.DECODE]
             t = sum(self.chunk_attention_s(s.context_tokens, s.new_tokens) for s in pre)
             if dec:
-                t += self.attn_decode(len(dec), max(s.context_tokens for s in dec))
+                t += decode(len(dec), max(s.context_tokens for s in dec))
             return t
         # decode attention runs on the batch's caches right-padded to the longest context
         kv = max(s.context_tokens for s in batch.sequences)
-        return self.attn_decode(batch.size, kv)
+        return decode(batch.size, kv)
 
     def chunk_attention_s(self, prefix_tokens: int, chunk_tokens: int) -> float:
         """A prefill chunk's attention over its cached prefix: ``attn_chunk`` when the profile
@@ -527,12 +535,12 @@ class LatencyModel:
         i = routing.pick()
         return pool[0][i], pool[1][i]
 
-    def plan(self, batch: Batch) -> Plan:
+    def plan(self, batch: Batch, bind: bool = False) -> Plan:
         tokens = batch.new_tokens
         counts, experts = self.experts(tokens)
         return Plan(
             overhead_s=self.overhead.scalar(batch.size) + batch.swap_tokens * self.swap_s_per_token,
-            attention_s=self.attention_s(batch),
+            attention_s=self.attention_s(batch, bind),
             router_s=self.router.scalar(tokens),
             experts_s=experts,
             lm_head_s=self.lm_head.scalar(batch.size),

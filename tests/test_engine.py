@@ -31,8 +31,8 @@ class RecordingLatency(LatencyModel):
         super().__init__(*args, **kwargs)
         self.plans = []
 
-    def plan(self, batch):
-        p = super().plan(batch)
+    def plan(self, batch, bind=False):
+        p = super().plan(batch, bind)
         self.plans.append((batch.id, p))
         return p
 
@@ -290,3 +290,33 @@ def test_the_first_batch_after_an_idle_stretch_pays_the_profiles_wake_up():
     latency = LatencyModel(woken)
     assert latency.wake_s(0.05) == pytest.approx(0.010)  # interpolated
     assert latency.wake_s(60.0) == pytest.approx(0.020) and latency.wake_s(0.0) == 0.0
+
+
+def bind_profile(extra_ms: float = 5.0):
+    """The linear profile whose decode attention costs ``extra_ms`` more per layer when the
+    step binds a new padded KV (a new decode batch)."""
+    base = linear_profile()
+    bind = [replace(p, op="attn_decode_bind", median_ms=p.median_ms + extra_ms,
+                    p90_ms=p.p90_ms + extra_ms)
+            for p in base.points if p.op == "attn_decode"]  # fmt: skip
+    return replace(base, points=base.points + bind)
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_a_new_decode_batch_pays_the_bind_once_and_again_when_its_sequences_change(
+    fast_forward,
+):
+    """Requests 0 and 1 arrive together: one prefill, then decode steps of [0, 1] (one bind,
+    then reused), then of [1] alone once 0 has finished (a second bind). Each bind costs
+    4 layers x 5 ms; a step of an unchanged batch costs what it costs without the op."""
+    reqs = [Request(0, "BE", 0.0, 20, 3), Request(1, "BE", 0.0, 20, 6)]
+
+    def finishes(profile):
+        latency = LatencyModel(profile, RoutingModel(4, 8, 2))
+        sched = Scheduler(IterationFCFS(), 1_000_000)
+        sim = Simulation(reqs, sched, latency, fast_forward=fast_forward)
+        return {s.id: s.finish_s for s in sim.run().sequences}
+
+    plain, bound = finishes(linear_profile()), finishes(bind_profile())
+    assert bound[0] == pytest.approx(plain[0] + 0.020, abs=1e-12)
+    assert bound[1] == pytest.approx(plain[1] + 0.040, abs=1e-12)

@@ -88,23 +88,29 @@ def test_fast_forward_gives_every_request_the_results_of_stepping(policy, worklo
     assert fewer == may, (ff.result.events, ref.result.events)
 
 
-@pytest.mark.parametrize("policy", ["iteration", "qllm", "qllm-merge"])
-def test_fast_forward_with_a_wake_up_after_idle_stretches(tmp_path, policy):
-    """A profile with a wake-up term, at a rate that leaves the server idle between requests:
-    the wake-up is charged once per idle stretch on both paths, busy time included."""
-    from profiler.schema import OpPoint
-    from sim import profiles
+def extra_points(term: str, base) -> list:
+    if term == "wake_up":
+        return [OpPoint("wake_up", idle_ms=0), OpPoint("wake_up", median_ms=30.0, idle_ms=200)]
+    return [replace(p, op="attn_decode_bind", median_ms=1.5 * p.median_ms,
+                    p90_ms=1.5 * p.p90_ms)
+            for p in base.points if p.op == "attn_decode"]  # fmt: skip
 
+
+@pytest.mark.parametrize("term", ["wake_up", "attn_decode_bind"])
+@pytest.mark.parametrize("policy", ["iteration", "qllm", "qllm-merge"])
+def test_fast_forward_with_a_wake_up_or_a_bind_term(tmp_path, policy, term):
+    """A profile with a wake-up term, at a rate that leaves the server idle between requests:
+    the wake-up is charged once per idle stretch on both paths, busy time included; or with a
+    cost of binding a new decode batch's KV, charged at every change of the decode batch."""
     base = profiles.load("h200-mixtral-bf16")
-    wake = [OpPoint("wake_up", idle_ms=0), OpPoint("wake_up", median_ms=30.0, idle_ms=200)]
-    path = replace(base, points=base.points + wake).save(tmp_path / "woken")
+    path = replace(base, points=base.points + extra_points(term, base)).save(tmp_path / "p")
     overrides = [*POLICIES[policy], "workload=paper", "workload.num_requests=80",
                  "workload.rate=0.5", f"profile.path={path}"]  # fmt: skip
     ff, ref = run(overrides, True), run(overrides, False)
     assert_same(ff, ref)
     assert ff.result.events < ref.result.events
     plain = run([*overrides[:-1], "profile=h200-mixtral-bf16"], True)
-    assert ff.result.makespan_s > plain.result.makespan_s  # the wake-ups were charged
+    assert ff.result.makespan_s > plain.result.makespan_s  # the term was charged
 
 
 @pytest.mark.parametrize("policy", ["iteration", "qllm"])

@@ -109,8 +109,8 @@ class RecordingLatency(LatencyModel):
         super().__init__(*args, **kwargs)
         self.plans = {}
 
-    def plan(self, batch):
-        self.plans[batch.id] = p = super().plan(batch)
+    def plan(self, batch, bind=False):
+        self.plans[batch.id] = p = super().plan(batch, bind)
         return p
 
 

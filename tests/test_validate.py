@@ -8,17 +8,30 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from conftest import linear_profile
 from hydra import compose, initialize_config_dir
 
 from realrun import validation_table
-from realrun.validate import CLASSES, check, covering_grid, records_of, run_validation, table
+from realrun.engine import Segment
+from realrun.validate import (
+    CLASSES,
+    check,
+    covering_grid,
+    predict_segment,
+    records_of,
+    run_validation,
+    shape_batch,
+    table,
+)
 from sim.app import CONF_DIR
 from sim.config import UserError
+from sim.latency import LatencyModel, RoutingModel
 
 SMALL = [
     "workload.num_requests=10",
@@ -80,9 +93,16 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, 
         100 * (segments["predicted_s"] - segments["measured_s"]) / segments["measured_s"],
         rel=1e-3, abs=1e-3)  # fmt: skip
     assert {"prefill", "decode"} <= set(segments["phase"])
+    # a run's decode iterations both bind new batches' KV and reuse the last one's
+    decode = segments[segments["phase"] == "decode"]
+    assert set(decode["bound"]) == {True, False}
+    assert not segments[segments["phase"] == "prefill"]["bound"].any()
+    assert (ops["op"] == "attn_decode_bind").sum() == (ops["op"] == "attn_decode").sum()
     groups = json.loads((out / "iteration_errors.json").read_text())
     everything = next(g for g in groups if g["by"] == "all")
     assert everything["n"] == len(segments)
+    kv = {g["value"]: g["n"] for g in groups if g["by"] == "decode KV"}
+    assert kv == {"bound": decode["bound"].sum(), "reused": (~decode["bound"]).sum()}
     assert everything["time_error_pct"] == pytest.approx(
         100 * (segments["predicted_s"].sum() / segments["measured_s"].sum() - 1), rel=1e-4
     )
@@ -151,3 +171,21 @@ def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         validation_table.main([str(tmp_path / "nowhere")])
     assert e.value.code == 2
+
+
+def test_a_segment_that_bound_its_kv_is_predicted_with_the_bind_term():
+    """predict_segment charges ``attn_decode_bind`` on the segments the engine says bound a new
+    padded KV, ``attn_decode`` on the others: per layer, the difference of the two ops."""
+    base = linear_profile()
+    bind = [replace(p, op="attn_decode_bind", median_ms=p.median_ms + 5.0)
+            for p in base.points if p.op == "attn_decode"]  # fmt: skip
+    profile = replace(base, points=base.points + bind)
+    shape = [("decode", 1, 30), ("decode", 1, 12)]
+    stages = LatencyModel(profile).plan(shape_batch("decode", shape)).num_stages
+    seg = Segment(7, "decode", shape, 0, stages, 0.0, 0.01, 0.0, False)
+
+    def predicted(segment) -> float:  # the same routing draws for both
+        return predict_segment(LatencyModel(profile, RoutingModel(4, 8, 2)), segment)[0]
+
+    reused, bound = predicted(seg), predicted(replace(seg, bound=True))
+    assert bound - reused == pytest.approx(base.model.num_layers * 0.005)
