@@ -13,13 +13,16 @@ than inside an iteration, where the rest of the model streamed through the cache
   attention, router, expert and lm_head stages (that is the prepare stage, the stages of
   experts that received no token, the dispatch between stages, and the skew of stage times:
   the simulator adds per-stage medians, and this term makes them add up to the measured mean
-  iteration, which is what mean TTFT and turnaround are made of); the same iterations once
-  more, each binding its padded KV anew (the first step of a new decode batch copies every
-  sequence's cache into the batch's buffer), give ``attn_decode_bind(B, kv)``: on
-  tiny-mixtral, 1 thread, binding costs 1.1x a step at batch 4 and 1.4-2.1x at batch 32-64,
-  all of it in the attention stages;
-- every expert stage of both gives a sample of ``expert(n)``, n its queue size; samples are
-  pooled in bins around ``grid.expert_tokens`` (a point per bin: median n, median time);
+  iteration, which is what mean TTFT and turnaround are made of);
+- ``attn_decode_bind(B, kv)``: the attention of the first step of a new decode batch, which
+  copies every sequence's cache into the batch's padded buffer (a step of the same batch
+  reuses it): the same shapes, before each step one sequence replaced by a newly prefilled
+  one (``Profiler.bind``). On tiny-mixtral (one thread) such a step's attention costs 1.4-1.9x a
+  reused one at batch 4 and 2.1-2.5x at batch 32 (kv 128-512), the rest of the step about
+  the same;
+- every expert stage of the prefill and decode iterations gives a sample of ``expert(n)``, n
+  its queue size; samples are pooled in bins around ``grid.expert_tokens`` (a point per bin:
+  median n, median time);
 - ``attn_chunk(n, kv)`` (``grid.chunk_kv``, optional): iterations of one sequence feeding a
   chunk of n tokens (``grid.prefill_tokens``) over kv tokens it already cached; only their
   attention stages are filed (router and experts see n tokens, as in a prefill of n).
@@ -202,15 +205,12 @@ class Profiler:
     def prompts(self, lengths: list[int]) -> list[KVSequence]:
         return [self.runner.new_sequence(self.random_ids(n)) for n in lengths]
 
-    def repeat(self, seqs: list[KVSequence], bind: bool = False) -> list[tuple[float, list]]:
+    def repeat(self, seqs: list[KVSequence]) -> list[tuple[float, list[StageTime]]]:
         """``repeats`` timed runs of one iteration of ``seqs`` (after ``warmup`` untimed),
-        rewinding the sequences after each; ``bind``: each decode step binds its padded KV
-        anew, as the first step of a new batch does (else all but the first reuse it)."""
+        rewinding the sequences after each."""
         marks = [(len(s.token_ids), s.num_cached) for s in seqs]
         runs = []
         for i in range(self.settings.warmup + self.settings.repeats):
-            if bind:
-                self.runner.unbind()
             run = self.clock.iteration(self.runner, seqs)
             if i >= self.settings.warmup:
                 runs.append(run)
@@ -265,10 +265,26 @@ class Profiler:
         seqs = self.prompts(lengths)
         self.runner.run(self.runner.begin(seqs))  # the prefill: kv cached, one token to feed
         self.record(self.repeat(seqs), num_tokens=batch, batch=batch, kv=kv)
-        for _, stages in self.repeat(seqs, bind=True):  # only attention binds (measured)
-            self.samples[("attn_decode_bind", batch, 0, kv)] += [
-                st.ms for st in stages if st.ref.stage == "attention"
-            ]
+        self.bind(seqs)
+
+    def bind(self, seqs: list[KVSequence]) -> None:
+        """``attn_decode_bind``: steps of a new decode batch, made as a run makes them: before
+        each, one sequence (in turn) leaves, and a new one of its length joins, just prefilled.
+        Only attention stages are filed: binding happens there (and costs more when the last
+        batch's buffer is still held than when it is freed: the leaver is dropped, as a
+        finished sequence is)."""
+        seqs = list(seqs)
+        key = ("attn_decode_bind", len(seqs), 0, max(s.num_cached for s in seqs))
+        for i in range(self.settings.warmup + self.settings.repeats):
+            j = i % len(seqs)
+            seqs[j] = self.prompts([seqs[j].num_cached])[0]
+            self.runner.run(self.runner.begin([seqs[j]]))  # its prefill: one token to feed
+            marks = [(len(s.token_ids), s.num_cached) for s in seqs]
+            _, stages = self.clock.iteration(self.runner, seqs)
+            if i >= self.settings.warmup:
+                self.samples[key] += [st.ms for st in stages if st.ref.stage == "attention"]
+            for s, (n, c) in zip(seqs, marks, strict=True):
+                s.truncate(n, c)
 
     def warm_up(self) -> None:
         """One prefill of the longest prompt and one decode step of the largest batch before

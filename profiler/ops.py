@@ -642,11 +642,6 @@ class ModelRunner:
             self._padded = weakref.ref(padded)
         return padded
 
-    def unbind(self) -> None:
-        """Forget the last decode batch's padded KV: the next decode step binds a new one, as
-        a new batch does (the profiler times binding steps this way)."""
-        self._padded = None
-
     def _prefill_mask(self, state: IterationState, i: int):
         s, n = state.sequences[i], state.offsets[i + 1] - state.offsets[i]
         pos = torch.arange(s.num_cached, s.num_cached + n, device=self.device)[None]

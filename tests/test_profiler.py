@@ -53,7 +53,10 @@ def test_every_tiny_model_profiles_on_the_cpu(tmp_path, model):
     profile, directory = profile_in_process(tmp_path, f"model={model}", "device=cpu")
     assert directory == tmp_path / f"{model}-cpu"
     loaded = Profile.load(directory)
-    assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS | {"attn_chunk", "attn_decode_bind"}
+    assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS | {
+        "attn_chunk",
+        "attn_decode_bind",
+    }
     assert loaded.model == profile.model and loaded.model.name == model
     assert loaded.dtype == "float32" and loaded.torch_version == torch.__version__
     assert all(p.median_ms > 0 for p in loaded.points if p.op != "step_overhead")
@@ -154,7 +157,10 @@ def test_a_local_checkpoint_loads_offline(tmp_path):
 def test_profiler_runs_on_cuda(tmp_path):
     profile, directory = profile_in_process(tmp_path, "device=cuda")
     loaded = Profile.load(directory)
-    assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS | {"attn_chunk", "attn_decode_bind"}
+    assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS | {
+        "attn_chunk",
+        "attn_decode_bind",
+    }
     assert loaded.dtype == "bfloat16" and loaded.extra["device_type"] == "cuda"
     shutil.rmtree(directory)
 
