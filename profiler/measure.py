@@ -272,8 +272,8 @@ class Profiler:
         each, one sequence (in turn) leaves, and a new one of its length joins, just prefilled.
         Only attention stages are filed: binding happens there (and costs more when the last
         batch's buffer is still held than when it is freed: the leaver is dropped, as a
-        finished sequence is)."""
-        seqs = list(seqs)
+        finished sequence is: ``seqs`` is changed in place, its caller must hold no other
+        reference to the sequences it replaces)."""
         key = ("attn_decode_bind", len(seqs), 0, max(s.num_cached for s in seqs))
         for i in range(self.settings.warmup + self.settings.repeats):
             j = i % len(seqs)
