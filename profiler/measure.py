@@ -30,9 +30,10 @@ than inside an iteration, where the rest of the model streamed through the cache
 - ``wake_up(idle_ms)``: for each idle time of ``wake.idle_ms``, ``wake.repeats`` times: a
   decode step of one sequence repeated back to back (the warm time of ``WAKE_STEPS`` steps),
   then the device left idle that long, then the same steps again; the wake-up is the median
-  excess of the second run over the first, wall clock (the device synchronised after each
-  step, as the engine reads its tokens). A CPU's cores and a GPU's clocks slow down when idle
-  (an idle H200 drops to 345 MHz): the first iterations after a gap run slower.
+  excess of the second run over the first, on the profile's CPU clock (on CUDA, wall clock,
+  the device synchronised after each step, as the engine reads its tokens). A CPU's cores and
+  a GPU's clocks slow down when idle (an idle H200 drops to 345 MHz): the first iterations
+  after a gap run slower.
 
 Each iteration runs ``warmup`` + ``repeats`` times (the sequences rewound in between), after
 one untimed prefill and decode step at the grid's largest shapes; attention and router samples
@@ -319,15 +320,17 @@ class Profiler:
         return self.table() + self.wake_points()
 
     def _steps_s(self, seqs: list[KVSequence], steps: int) -> float:
-        """Wall seconds of ``steps`` decode steps, the sequences rewound after each."""
+        """Seconds of ``steps`` decode steps on the profile's clock (on CUDA, wall), the
+        sequences rewound after each."""
         runner = self.runner
+        clock = time.perf_counter if self.clock.cuda else self.clock.clock
         marks = [(len(s.token_ids), s.num_cached) for s in seqs]
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(steps):
             runner.run(runner.begin(seqs))  # returns the tokens: the device has finished
             for s, (n, c) in zip(seqs, marks, strict=True):
                 s.truncate(n, c)
-        return time.perf_counter() - t0
+        return clock() - t0
 
     def wake_points(self) -> list[OpPoint]:
         """``wake_up`` at each idle time (module docstring); none when wake.idle_ms is empty."""

@@ -1,4 +1,5 @@
-"""The engine's sense of time: the wall clock for real runs, a virtual clock for tests.
+"""The engine's sense of time: the wall clock for real runs, this process's CPU time for real
+runs on a shared CPU, a virtual clock for tests.
 
 Both count seconds from ``start()``. The engine reads ``now()`` at every stage boundary, calls
 ``tick()`` after every stage it executes and ``sleep_until()`` when it has nothing to run.
@@ -28,6 +29,36 @@ class WallClock:
         delay = t - self.now()
         if delay > 0:
             time.sleep(delay)
+
+
+class CpuClock:
+    """This process's CPU time while the engine works, the arrivals' own gaps while it waits.
+
+    On a machine shared with other processes, wall time counts the time they take the core
+    away; CPU time counts what the engine itself did (with one torch thread, the wall time the
+    work takes on a core of its own). Idle waits still sleep, in wall time, so that whatever
+    slows down when idle (clocks, caches) does so here too; the clock then jumps to the
+    arrival. CPU only: a GPU's work is not this process's CPU time.
+    """
+
+    def __init__(self) -> None:
+        self.t0 = time.process_time()  # now() = CPU time since t0 + the idle waits
+        self.waited = 0.0
+
+    def start(self) -> None:
+        self.t0, self.waited = time.process_time(), 0.0
+
+    def now(self) -> float:
+        return time.process_time() - self.t0 + self.waited
+
+    def tick(self) -> None:
+        """Stages take the CPU time they take."""
+
+    def sleep_until(self, t: float) -> None:
+        delay = t - self.now()
+        if delay > 0:
+            time.sleep(delay)
+            self.waited += t - self.now()  # the gap, not the CPU time spent while asleep
 
 
 class VirtualClock:

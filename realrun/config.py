@@ -20,6 +20,7 @@ from sim.config import validate as validate_sim
 class ClockKind(enum.Enum):
     wall = "wall"  # arrivals replayed in real time
     virtual = "virtual"  # each stage costs virtual_stage_ms, idle time is skipped (tests)
+    cpu = "cpu"  # this process's CPU time while busy, arrivals' gaps while idle (shared CPUs)
 
 
 class TraceLevel(enum.Enum):
@@ -74,6 +75,7 @@ class ValidateConfig(EngineConfig):
     # utilization / (profiled time to serve the mean request alone).
     utilizations: list[float] = field(default_factory=lambda: [0.3, 1.5, 6.0])
     replays: int = 3  # real runs per point: their spread is the real engine's own noise
+    clock: ClockKind = ClockKind.wall  # wall, or cpu (the profile then on the process clock)
     profile: dict[str, Any] = field(default_factory=dict)  # path, or the profiler's settings
     progress: bool = True
 
@@ -87,6 +89,15 @@ def validate_engine(cfg: Any) -> None:
     need(cfg.threads is None or cfg.threads >= 1, "threads", "must be >= 1 or null")
     need(cfg.device in ("auto", "cpu") or cfg.device.startswith("cuda"), "device",
          "must be auto, cpu, cuda or cuda:<index>")  # fmt: skip
+    clock = cfg.get("clock")
+    if clock is not None and ClockKind(clock) is ClockKind.cpu:
+        import torch
+
+        on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+        if not on_cpu or cfg.threads != 1:
+            raise UserError("clock=cpu: needs the CPU device and threads=1 (one thread's CPU "
+                            "time is its time on a core of its own; a GPU's work is not CPU "
+                            "time)")  # fmt: skip
 
 
 def validate_shared(cfg: Any, policy: Any) -> None:

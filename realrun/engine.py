@@ -42,7 +42,7 @@ from policies.core import Batch, Request
 from policies.core import Sequence as Seq
 from policies.scheduler import Scheduler
 from profiler.ops import KVSequence, ModelRunner
-from realrun.clock import VirtualClock, WallClock
+from realrun.clock import CpuClock, VirtualClock, WallClock
 from realrun.trace import ChromeTrace
 from sim.latency import preemptible_boundaries
 
@@ -92,7 +92,7 @@ class RealEngine:
         prompts: dict[int, list[int]],
         scheduler: Scheduler,
         runner: ModelRunner,
-        clock: WallClock | VirtualClock | None = None,
+        clock: WallClock | CpuClock | VirtualClock | None = None,
         trace: ChromeTrace | None = None,
         on_finish: Callable[[Seq], None] | None = None,
     ) -> None:

@@ -17,7 +17,7 @@ from profiler.measure import Profiler, Settings
 from profiler.models import ModelError, ModelInfo, build_model
 from profiler.ops import ModelRunner, RunnerError
 from profiler.schema import Memory
-from realrun.clock import VirtualClock, WallClock
+from realrun.clock import CpuClock, VirtualClock, WallClock
 from realrun.config import ClockKind, TraceLevel, validate_realrun
 from realrun.engine import RealEngine, RealResult
 from realrun.prompts import build_prompts, load_tokenizer, random_ids
@@ -80,6 +80,12 @@ def warm_up(runner: ModelRunner, prompt_tokens: int, batch_size: int = 2) -> Non
         runner.run(runner.begin(seqs))
 
 
+def make_clock(kind: ClockKind, virtual_stage_ms: float = 1.0):
+    if kind is ClockKind.virtual:
+        return VirtualClock(virtual_stage_ms / 1e3)
+    return CpuClock() if kind is ClockKind.cpu else WallClock()
+
+
 def execute(
     requests: list[Request],
     prompts: dict[int, list[int]],
@@ -133,6 +139,5 @@ def realrun(cfg: Any) -> RealOutput:
         warm_up(runner, max(r.prompt_tokens for r in requests), largest_batch)
     level = TraceLevel(cfg.trace)
     trace = None if level is TraceLevel.off else ChromeTrace(stages=level is TraceLevel.stages)
-    virtual = ClockKind(cfg.clock) is ClockKind.virtual
-    clock = VirtualClock(cfg.virtual_stage_ms / 1e3) if virtual else WallClock()
+    clock = make_clock(ClockKind(cfg.clock), cfg.get("virtual_stage_ms", 1.0))
     return execute(requests, prompts, scheduler, runner, cfg.slo, clock, trace, cfg.progress)

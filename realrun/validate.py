@@ -5,7 +5,8 @@
 2. Choose the rates: ``rate = utilization / S1``, S1 the time the profile predicts for serving
    the workload's mean request alone (its prefill and its decode steps at batch 1).
 3. At each rate, build the request list once (prompts cut, token ids drawn) and, for each
-   policy, replay it ``replays`` times through the real engine (wall clock) and once through
+   policy, replay it ``replays`` times through the real engine (``clock``: wall, or cpu, this
+   process's CPU time while busy, for a machine shared with other work) and once through
    the simulator (``sim.run.simulate`` reading the fresh profile, routing from its measured
    expert load; it is deterministic). Both get their scheduler from
    ``sim.run.build_scheduler`` with the same profile, so they differ only in how time passes.
@@ -37,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from policies.core import BE, LS, Batch, Phase, Request, Sequence
-from realrun.config import ValidateConfig, validate_engine, validate_shared
+from realrun.config import ClockKind, ValidateConfig, validate_engine, validate_shared
 from sim.app import CONF_DIR  # registers the simulator's schema (base_config) that it composes
 from sim.cli import App, fail, run
 from sim.config import UserError
@@ -107,6 +108,8 @@ def obtain_profile(cfg: DictConfig, runner, info, out: Path, cover: tuple[int, i
                             f"this model ({info.name})")  # fmt: skip
         return profile, directory
     settings_cfg = {k: v for k, v in OmegaConf.to_container(cfg.profile).items() if k != "path"}
+    if settings_cfg.get("clock") is None:  # the runs' clock: CPU time is the process clock
+        settings_cfg["clock"] = "process" if ClockKind(cfg.clock) is ClockKind.cpu else "wall"
     settings_cfg["grid"], added = covering_grid(settings_cfg["grid"], *cover)
     if added:
         print(f"profile grid extended to cover the runs: {', '.join(added)}")
@@ -275,8 +278,7 @@ def _bucket_key(value: str) -> tuple[int, str]:
 def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     """The whole comparison; needs Hydra initialized with CONF_DIR (the app or a test)."""
     check(cfg)
-    from realrun.clock import WallClock
-    from realrun.run import execute, load_model, prepare_requests, warm_up
+    from realrun.run import execute, load_model, make_clock, prepare_requests, warm_up
     from sim.run import build_latency, build_scheduler, simulate
     from sim.workloads import build_workload
 
@@ -317,7 +319,7 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
         reals = []
         for replay in range(cfg.replays):
             real = execute(requests, prompts, build_scheduler(sim_cfg, profile), runner,
-                           cfg.slo, WallClock())  # fmt: skip
+                           cfg.slo, make_clock(ClockKind(cfg.clock)))  # fmt: skip
             reals.append(real.summary)
             rows += iteration_rows(policy, rate, replay, real.result.segments, predictor)
             bar.update()
