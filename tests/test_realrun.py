@@ -20,7 +20,7 @@ from policies.core import BE, LS, Request
 from policies.scheduler import Scheduler
 from profiler.models import build_model
 from profiler.ops import ModelRunner
-from realrun.clock import VirtualClock, WallClock
+from realrun.clock import CpuClock, VirtualClock, WallClock
 from realrun.engine import RealEngine
 from realrun.prompts import build_prompts
 from realrun.trace import ChromeTrace
@@ -120,6 +120,40 @@ def test_idle_waits_sleep_instead_of_spinning():
     cpu = time.process_time() - cpu
     assert result.makespan_s >= 0.6
     assert cpu < 0.3, f"{cpu:.2f} s of CPU while waiting 0.6 s for an arrival"
+
+
+def test_the_cpu_clock_counts_work_and_idle_gaps_not_time_the_core_was_taken_away():
+    """clock=cpu: a stretch in which this process does not run (another holds the core; here
+    an unaccounted sleep) does not advance it; work does, as its CPU time; an idle wait for an
+    arrival sleeps that long and lands exactly on the arrival."""
+    clock = CpuClock()
+    clock.start()
+    time.sleep(0.2)
+    assert clock.now() < 0.05
+    before, cpu = clock.now(), time.process_time()
+    while time.process_time() - cpu < 0.1:
+        pass
+    assert clock.now() - before == pytest.approx(0.1, abs=0.02)
+    wall = time.perf_counter()
+    clock.sleep_until(clock.now() + 0.3)
+    assert time.perf_counter() - wall >= 0.3
+    target = clock.now() + 0.25
+    clock.sleep_until(target)
+    assert clock.now() == pytest.approx(target, abs=0.005)
+
+
+def test_a_cpu_clock_run_times_arrivals_and_work(tmp_path):
+    done = run_cli(tmp_path, "workload=synthetic", "workload.num_requests=4", "workload.rate=10",
+                   "workload.prompt.tokens=12", "workload.output.tokens=3", "policy=qllm",
+                   "clock=cpu", "device=cpu")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    df = pd.read_parquet(tmp_path / "requests.parquet")
+    assert len(df) == 4 and (df.ttft_s > 0).all()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["makespan_s"] >= df.arrival_s.max()
+    bad = run_cli(tmp_path / "bad", "clock=cpu", "threads=2")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("qllm-realrun: error: clock=cpu: needs the CPU device")
 
 
 def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
