@@ -1,7 +1,8 @@
 """``python -m realrun.validation_table DIR``: one markdown table over every validation under
 DIR (``<DIR>/<model>-<device>/validation.json``, as ``make validate`` writes them): per model
-and load level, the worst and median per-class mean error, how many are within 10%, the
-throughput error, and the real engine's own spread (the replays' worst CV)."""
+and load level, the clock the real runs were timed on (wall, or cpu: ``clock=cpu``), the worst
+and median per-class mean error, how many are within 10%, the throughput error, and the real
+engine's own spread (the replays' worst CV)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,19 @@ from pathlib import Path
 LOADS = ("light", "knee", "overload", "loaded")
 
 
-def rows_of(name: str, records: list[dict]) -> list[str]:
+def clock_of(directory: Path) -> str:
+    """The clock of the validation in ``directory`` (its config.yaml; runs before ``clock``
+    existed were on the wall clock)."""
+    config = directory / "config.yaml"
+    if not config.is_file():
+        return "?"
+    for line in config.read_text().splitlines():
+        if line.startswith("clock:"):
+            return line.split(":", 1)[1].strip()
+    return "wall"
+
+
+def rows_of(name: str, records: list[dict], clock: str = "?") -> list[str]:
     rows = []
     loads = sorted({r["load"] for r in records}, key=lambda x: LOADS.index(x) if x in LOADS else 9)
     for load in loads:
@@ -25,7 +38,8 @@ def rows_of(name: str, records: list[dict]) -> list[str]:
         thr = [r["error_pct"] for r in point if r["metric"] == "throughput_jobs"]
         cv = max(r["real_cv_pct"] for r in point)
         within = sum(e <= 10 for e in errors)
-        rows.append(f"| {name} | {load} | {max(errors):.1f}% | {statistics.median(errors):.1f}% "
+        rows.append(f"| {name} | {load} | {clock} | {max(errors):.1f}% "
+                    f"| {statistics.median(errors):.1f}% "
                     f"| {within} of {len(errors)} | {min(thr):+.1f}% .. {max(thr):+.1f}% "
                     f"| {cv:.1f}% |")  # fmt: skip
     return rows
@@ -35,13 +49,14 @@ def table(root: Path) -> str:
     found = sorted(root.glob("*/validation.json"))
     if not found:
         raise FileNotFoundError(f"no */validation.json under {root}")
-    lines = ["| model | load | worst per-class error | median | within 10% | throughput error "
-             "| real replays' worst CV |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| model | load | clock | worst per-class error | median | within 10% "
+             "| throughput error | real replays' worst CV |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for path in found:
         records = json.loads(path.read_text())
         if not records or "load" not in records[0]:
             raise ValueError(f"{path}: written by an older qllm-validate (no load field)")
-        lines += rows_of(path.parent.name, records)
+        lines += rows_of(path.parent.name, records, clock_of(path.parent))
     return "\n".join(lines)
 
 

@@ -164,10 +164,14 @@ def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
         records += records_of("qllm", 9.0, "overload", [real, real], summary)
         (tmp_path / model).mkdir()
         (tmp_path / model / "validation.json").write_text(json.dumps(records))
+    (tmp_path / "tiny-a-cpu" / "config.yaml").write_text("name: null\nclock: cpu\n")
+    (tmp_path / "tiny-b-cpu" / "config.yaml").write_text("name: null\n")  # before clock=
     validation_table.main([str(tmp_path)])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 + 4 and lines[2].startswith("| tiny-a-cpu | light | 20.8% |")
-    assert "| 3 of 4 |" in lines[2] and lines[3].startswith("| tiny-a-cpu | overload | 20.0% |")
+    assert len(lines) == 2 + 4 and lines[2].startswith("| tiny-a-cpu | light | cpu | 20.8% |")
+    assert "| 3 of 4 |" in lines[2]
+    assert lines[3].startswith("| tiny-a-cpu | overload | cpu | 20.0% |")
+    assert lines[4].startswith("| tiny-b-cpu | light | wall | 20.8% |")
     with pytest.raises(SystemExit) as e:
         validation_table.main([str(tmp_path / "nowhere")])
     assert e.value.code == 2
