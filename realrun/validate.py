@@ -237,7 +237,9 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency) -> 
 def iteration_errors(rows: list[dict]) -> list[dict]:
     """The per-iteration error by group: phase x batch size, phase x tokens (prefill: prompt
     tokens; decode: longest context), segment kind, whether an idle gap came before, and
-    whether a decode iteration bound a new padded KV (a new batch) or reused the last one.
+    whether a decode iteration bound a new padded KV (a new batch) or reused the last one;
+    and each real run (policy@rate#replay), whose summed-time error shows the drift of the
+    machine from replay to replay.
     ``time_error_pct`` compares the group's summed predicted and measured time (what a run's
     makespan sees); ``median_error_pct`` is the typical iteration's."""
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -248,6 +250,9 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
                 ("after idle", "yes" if r["idle_s"] > 1e-3 else "no")]  # fmt: skip
         if r["phase"] != Phase.PREFILL.value:
             keys.append((f"{r['phase']} KV", "bound" if r["bound"] else "reused"))
+        # each real run on its own: how far its total busy time drifts from the prediction,
+        # replay to replay of the same request list (the machine's part of the error)
+        keys.append(("run", f"{r['policy']}@{r['rate']:g}#{r['replay']}"))
         for key in keys:
             groups.setdefault(key, []).append(r)
     out = []
@@ -264,7 +269,7 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
                     "time_error_pct": 100 * (predicted - measured) / measured,
                     "measured_ms_median": 1e3 * statistics.median(m["measured_s"]
                                                                   for m in members)})  # fmt: skip
-    order = {"all": 0, "segment": 3, "after idle": 4, "decode KV": 5, "mixed KV": 5}
+    order = {"all": 0, "segment": 3, "after idle": 4, "decode KV": 5, "mixed KV": 5, "run": 6}
     out.sort(key=lambda g: (order.get(g["by"], 1 if g["by"].startswith("prefill") else 2),
                             g["by"], _bucket_key(g["value"])))  # fmt: skip
     return out
@@ -348,11 +353,17 @@ def table(records: list[dict]) -> str:
 def iteration_table(groups: list[dict]) -> str:
     lines = [f"{'by':<16} {'value':<8} {'n':>6} {'median ms':>10} {'median err%':>11} "
              f"{'p10-p90 err%':>15} {'time err%':>9}"]  # fmt: skip
+    runs = [g["time_error_pct"] for g in groups if g["by"] == "run"]
     for g in groups:
+        if g["by"] == "run":
+            continue
         lines.append(f"{g['by']:<16} {g['value']:<8} {g['n']:>6} {g['measured_ms_median']:>10.3f} "
                      f"{g['median_error_pct']:>11.1f} "
                      f"{g['p10_error_pct']:>7.1f}..{g['p90_error_pct']:<6.1f} "
                      f"{g['time_error_pct']:>9.1f}")  # fmt: skip
+    if runs:
+        lines.append(f"each real run's summed time error: {min(runs):+.1f}% .. {max(runs):+.1f}% "
+                     f"over {len(runs)} runs (\"run\" in iteration_errors.json)")  # fmt: skip
     return "\n".join(lines)
 
 

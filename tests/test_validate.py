@@ -101,6 +101,17 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, 
     groups = json.loads((out / "iteration_errors.json").read_text())
     everything = next(g for g in groups if g["by"] == "all")
     assert everything["n"] == len(segments)
+    runs = {g["value"]: g for g in groups if g["by"] == "run"}
+    assert sorted(runs) == sorted(f"{p}@{r:g}#{k}" for p in ("fcfs", "qllm") for r in rates
+                                  for k in (0, 1))  # fmt: skip
+    for name, g in runs.items():
+        policy, rest = name.split("@")
+        rate, replay = rest.split("#")
+        mine = segments[(segments["policy"] == policy) & (segments["rate"] == float(rate))
+                        & (segments["replay"] == int(replay))]  # fmt: skip
+        assert g["n"] == len(mine) and g["time_error_pct"] == pytest.approx(
+            100 * (mine["predicted_s"].sum() / mine["measured_s"].sum() - 1), rel=1e-4
+        )
     kv = {g["value"]: g["n"] for g in groups if g["by"] == "decode KV"}
     assert kv == {"bound": decode["bound"].sum(), "reused": (~decode["bound"]).sum()}
     assert everything["time_error_pct"] == pytest.approx(
