@@ -300,10 +300,11 @@ def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypa
         clock["now"] += seconds
 
     monkeypatch.setattr(runner, "run", run)
-    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: clock["now"],
-                                                         sleep=sleep))  # fmt: skip
+    monkeypatch.setattr(measure, "time", SimpleNamespace(sleep=sleep))
     settings = Settings([4], [1], [8], [1], wake_idle_ms=(2, 150), wake_repeats=3)
-    points = {p.idle_ms: p for p in Profiler(runner, settings, torch.device("cpu")).wake_points()}
+    profiler = Profiler(runner, settings, torch.device("cpu"))
+    profiler.clock.clock = lambda: clock["now"]  # the profile's CPU clock, wall or process
+    points = {p.idle_ms: p for p in profiler.wake_points()}
     assert sorted(points) == [0, 2, 150] and points[0].median_ms == 0
     assert points[2].median_ms == pytest.approx(0, abs=1e-9)
     assert points[150].median_ms == pytest.approx(40) and points[150].p90_ms == pytest.approx(40)
