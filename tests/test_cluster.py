@@ -244,7 +244,8 @@ def test_a_streamed_run_gives_the_results_of_the_materialised_one(policy):
     from sim.workloads import build_workload
 
     cfg = app_cfg(f"policy={policy}", "memory.model=paged", "workload.num_requests=300",
-                  "workload.rate=12", "cluster.replicas=3", "cluster.router=least_outstanding")  # fmt: skip
+                  "workload.rate=12", "cluster.replicas=3",
+                  "cluster.router=least_outstanding")  # fmt: skip
     streamed = simulate(cfg)
     kept = simulate(cfg, requests=build_workload(cfg.workload, seed=cfg.seed),
                     keep_sequences=True)  # fmt: skip
