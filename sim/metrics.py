@@ -92,17 +92,20 @@ class GapStats:
         if len(self.buffer) >= self.exact_up_to:
             self._fold()
 
-    def reorder(self, order: np.ndarray) -> None:
-        """While every gap is kept: put the requests' gaps in this order of their ``add``
-        calls (the exact mean and std are sums, whose float rounding depends on the order)."""
-        if self.lengths is None or not len(self.buffer):
-            return
+    def reordered(self, order: np.ndarray) -> GapStats:
+        """While every gap is kept: these gaps with the requests' in this order of their
+        ``add`` calls (the exact mean and std are sums, whose rounding depends on the order);
+        else these statistics themselves."""
+        if self.lengths is None:
+            return self
         lengths = np.frombuffer(self.lengths, dtype=np.int64)
         starts = np.cumsum(lengths) - lengths
         n = lengths[order]
         index = np.repeat(starts[order] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
-        v = np.frombuffer(self.buffer, dtype=np.float32)[index]
-        self.buffer, self.lengths = array("f", v.tobytes()), array("q", n.tobytes())
+        out = GapStats(self.exact_up_to)
+        out.buffer.frombytes(np.frombuffer(self.buffer, dtype=np.float32)[index].tobytes())
+        out.lengths = array("q", n.tobytes())
+        return out
 
     def _fold(self) -> None:
         """Move the buffer into the moments and the histogram."""
@@ -231,8 +234,8 @@ class Records:
             ls = np.frombuffer(self.ls, dtype=np.int8).astype(bool)
             keys = [np.frombuffer(a, dtype=a.typecode) for a in (self.id, self.arrival_s,
                                                                  self.replica)]  # fmt: skip
-            for cls, mine in ((LS, finished & ls), (BE, finished & ~ls)):
-                self.gaps[cls].reorder(np.lexsort([k[mine] for k in keys]))
+            return {cls: self.gaps[cls].reordered(np.lexsort([k[mine] for k in keys]))
+                    for cls, mine in ((LS, finished & ls), (BE, finished & ~ls))}  # fmt: skip
         return self.gaps
 
     def frame(self, with_replica: bool = False) -> pd.DataFrame:
