@@ -24,6 +24,8 @@ from sim.latency import LatencyModel, RoutingModel
 from sim.metrics import Records, records_outputs
 from sim.workloads import stream_workload
 
+LONG_RUN_REQUESTS = 50_000  # a bar by default from here: 15-20 CPU s on the conversation trace
+
 
 @dataclass
 class RunOutput:
@@ -118,7 +120,10 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False,
     if requests is None:
         requests = stream_workload(cfg.workload, seed=cfg.seed)
     profile = profiles.load(cfg.profile.name, cfg.profile.path)
-    bar = tqdm(total=len(requests), desc="simulating", unit="req") if cfg.progress else None
+    progress = cfg.progress
+    if progress is None:
+        progress = len(requests) >= LONG_RUN_REQUESTS and sys.stderr.isatty()
+    bar = tqdm(total=len(requests), desc="simulating", unit="req") if progress else None
     cluster_cfg = getattr(cfg, "cluster", None)  # absent from the real engine's validation cfg
     n = cluster_cfg.replicas if cluster_cfg else 1
     router_name = cluster_cfg.router if cluster_cfg else "round_robin"
