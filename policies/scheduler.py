@@ -250,7 +250,8 @@ class Scheduler:
         batch.cursor = 0
         batch.plan = None
         finished = []
-        for seq in batch.sequences:
+        ready = self.ready
+        for seq in batch.sequences:  # once per token of every request: no property lookups
             if seq.chunk_tokens:  # a prefill chunk: a token only once the prefill is whole
                 seq.prefilled_tokens += seq.chunk_tokens
                 seq.chunk_tokens = 0
@@ -263,13 +264,14 @@ class Scheduler:
             seq.evicted = False
             if seq.first_token_s is None:
                 seq.first_token_s = now
-            if seq.done:
+            request = seq.request
+            if seq.generated >= request.output_tokens:  # seq.done
                 seq.finish_s = now
                 self.memory.free(seq)
                 finished.append(seq)
                 self._in_system -= 1
             else:
-                self.ready[seq.cls].append(seq)
+                ready[request.cls].append(seq)
         self.iterations += 1
         self.policy.on_complete(self, batch, now)
         return finished
