@@ -76,6 +76,7 @@ class GapStats:
     MANTISSA_BITS = 12
     SHIFT = 23 - MANTISSA_BITS  # float32 has 23 mantissa bits; a bin keeps the top 12
     BINS = 1 << (31 - SHIFT)  # every non-negative float32 (a gap is never negative)
+    FOLD = 1 << 20
 
     def __init__(self, exact_up_to: int = 1 << 22) -> None:
         self.exact_up_to = exact_up_to
@@ -113,9 +114,10 @@ class GapStats:
         if self.hist is None:
             self.hist = np.zeros(self.BINS, dtype=np.int64)
             self.lengths = None
-        if len(v):
-            self.hist += np.bincount(v.view(np.uint32) >> self.SHIFT, minlength=self.BINS)
-            w = v.astype(np.float64)
+        for start in range(0, len(v), self.FOLD):  # slices: float64 copies of 8 MB at most
+            part = v[start : start + self.FOLD]
+            self.hist += np.bincount(part.view(np.uint32) >> self.SHIFT, minlength=self.BINS)
+            w = part.astype(np.float64)
             mean = float(w.mean())
             self._combine(len(w), mean, float(np.square(w - mean).sum()), w.min(), w.max())
         del v  # the buffer cannot be replaced while a view of it exists

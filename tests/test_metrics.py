@@ -311,6 +311,7 @@ def test_gap_statistics_past_the_exact_limit_stay_within_their_bound(seed):
     parts = {}
     for name, gaps in (("LS", ls), ("BE", be)):
         g = parts[name] = GapStats(exact_up_to=30_000)
+        g.FOLD = 7_000  # each fold in several slices
         for chunk in np.array_split(gaps, 997):  # requests of unequal lengths
             g.add(array("f", chunk.tobytes()))
         assert g.hist is not None and len(g.buffer) < 30_000  # folded: bounded memory
