@@ -12,7 +12,9 @@ and off: simulated requests per CPU second and per wall-clock second of the simu
 spread (min-max). CPU time is what one core does when the machine is shared.
 ``--cluster-requests N`` then adds one run of N requests of that trace, repeated and rescaled
 to ``--cluster-rate``, on ``--replicas`` replicas (least_outstanding), with its CPU and wall
-time and peak memory (RSS); ``--cluster-only`` runs just that.
+time and peak memory (RSS); ``--cluster-only`` runs just that. The cluster run streams its
+requests and keeps only columnar records of the finished ones, as ``qllm-sim`` does; a
+progress bar goes to stderr.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ import time
 
 import simpy
 from hydra import compose, initialize_config_dir
+from tqdm import tqdm
 
 from sim import profiles
 from sim.app import CONF_DIR
 from sim.cluster import ROUTERS, Cluster
 from sim.engine import Simulation
+from sim.metrics import Records
 from sim.run import build_latency, build_scheduler, simulate
-from sim.workloads import build_workload
+from sim.workloads import Workload, build_workload, stream_workload
 
 POLICIES = ("fcfs", "iteration", "priority", "layer", "qllm", "vllm", "vllm-chunked", "sglang")
 # the engines run their own paged memory; the others reserve (TGI's)
@@ -44,17 +48,28 @@ VARIANTS = {  # name -> (policy file, overrides)
 TRACE_SETUP = ["workload=trace", "profile=h200-mixtral-bf16"]
 
 
-def run_loop(cfg, requests) -> tuple[float, float, int]:
+def run_loop(cfg, requests, progress: bool = False) -> tuple[float, float, int]:
     """(wall s, CPU s, events) of the simulation loop alone (``Cluster.run``, as ``simulate``
-    builds it): CPU time says what one core does when the machine is shared."""
+    builds it: finished requests folded into records, streamed requests when ``requests`` is
+    a ``Workload``): CPU time says what one core does when the machine is shared."""
     profile = profiles.load(cfg.profile.name, cfg.profile.path)
     env, n = simpy.Environment(), cfg.cluster.replicas
     replicas = [Simulation([], build_scheduler(cfg, profile), build_latency(cfg, profile, i),
-                           env=env, fast_forward=cfg.fast_forward) for i in range(n)]  # fmt: skip
+                           env=env, fast_forward=cfg.fast_forward, keep_sequences=False)
+                for i in range(n)]  # fmt: skip
     router = ROUTERS[cfg.cluster.router](n, cfg.cluster.ls_replicas)
-    cluster = Cluster(requests, replicas, router, env)
+    records = Records(replica_order=True)
+    bar = tqdm(total=len(requests), desc="simulating", unit="req", disable=not progress)
+
+    def finished(seq, replica):
+        records.add(seq, replica)
+        bar.update()
+
+    cluster = Cluster(requests, replicas, router, env, on_finish=finished,
+                      ordered=isinstance(requests, Workload))  # fmt: skip
     wall, cpu = time.perf_counter(), time.process_time()
     result = cluster.run().result
+    bar.close()
     return time.perf_counter() - wall, time.process_time() - cpu, result.events
 
 
@@ -88,9 +103,9 @@ def trace_speed(args) -> None:
                 "cluster.router=least_outstanding",
                 f"fast_forward={args.cluster_fast_forward}"])  # fmt: skip
             built = time.process_time()
-            requests = build_workload(cfg.workload, seed=cfg.seed)
+            requests = stream_workload(cfg.workload, seed=cfg.seed)
             built_s = time.process_time() - built
-            wall_s, cpu_s, _ = run_loop(cfg, requests)
+            wall_s, cpu_s, _ = run_loop(cfg, requests, progress=True)
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f"cluster requests={len(requests)} replicas={args.replicas} "
                   f"fast_forward={args.cluster_fast_forward} "

@@ -154,6 +154,7 @@ class Scheduler:
         self.swaps = 0
         self.merges = 0
         self._admissions = itertools.count()
+        self._in_system = 0  # arrived, not finished: routers ask at every arrival
 
     # ----------------------------------------------------------------------------- executor API
     @property
@@ -174,6 +175,7 @@ class Scheduler:
                 f"capacity of {self.kv_capacity_tokens}"
             )
         self.waiting[request.cls].append(seq)
+        self._in_system += 1
         return seq
 
     def next_batch(self, now: float) -> Batch | None:
@@ -248,7 +250,8 @@ class Scheduler:
         batch.cursor = 0
         batch.plan = None
         finished = []
-        for seq in batch.sequences:
+        ready = self.ready
+        for seq in batch.sequences:  # once per token of every request: no property lookups
             if seq.chunk_tokens:  # a prefill chunk: a token only once the prefill is whole
                 seq.prefilled_tokens += seq.chunk_tokens
                 seq.chunk_tokens = 0
@@ -261,12 +264,14 @@ class Scheduler:
             seq.evicted = False
             if seq.first_token_s is None:
                 seq.first_token_s = now
-            if seq.done:
+            request = seq.request
+            if seq.generated >= request.output_tokens:  # seq.done
                 seq.finish_s = now
                 self.memory.free(seq)
                 finished.append(seq)
+                self._in_system -= 1
             else:
-                self.ready[seq.cls].append(seq)
+                ready[request.cls].append(seq)
         self.iterations += 1
         self.policy.on_complete(self, batch, now)
         return finished
@@ -310,9 +315,9 @@ class Scheduler:
 
     @property
     def in_system(self) -> int:
-        n = sum(len(q) for q in self.waiting.values()) + sum(len(q) for q in self.ready.values())
-        n += sum(b.size for b in self.suspended) + len(self.prefilling)
-        return n + (self.running.size if self.running else 0)
+        """Requests arrived and not finished: waiting, ready, prefilling, running or
+        suspended (a sequence leaves the system only by finishing)."""
+        return self._in_system
 
     # ------------------------------------------------------------------------- policy helpers
     def waiting_fifo(self, classes: Iterable[str] = (LS, BE)) -> Iterator[Sequence]:

@@ -10,10 +10,12 @@ routers of vLLM's production stack do.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 import simpy
 
 from policies.core import LS, Request
@@ -60,8 +62,9 @@ class LeastOutstanding(Router):
 
     name = "least_outstanding"
 
-    def choose(self, scheds, request):
-        return _least(scheds, range(len(scheds)), _outstanding)
+    def choose(self, scheds, request):  # _least's rule, without a key tuple per replica
+        counts = [s.in_system for s in scheds]
+        return counts.index(min(counts))
 
 
 class LeastKV(Router):
@@ -118,47 +121,65 @@ ROUTERS = {r.name: r for r in (RoundRobin, LeastOutstanding, LeastKV, LSDedicate
 @dataclass
 class ClusterResult:
     result: SimResult  # all replicas together (events, iterations, preemptions summed)
-    replica_of: dict[int, int]  # request id -> replica index
+    ids: np.ndarray  # request ids, in arrival order
+    replicas: np.ndarray  # the replica each of them was placed on
     busy_s: list[float]  # per replica
-    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, replica, n)
+    timeline: pd.DataFrame  # (t_s, replica, in_system) at every arrival and completion
+
+    @property
+    def replica_of(self) -> dict[int, int]:
+        """Request id -> replica index."""
+        return dict(zip(self.ids.tolist(), self.replicas.tolist(), strict=True))
 
 
 class Cluster:
     """Replicas on one clock, fed by a router. One replica behaves exactly as a lone
-    ``Simulation`` of the same requests (a test checks it)."""
+    ``Simulation`` of the same requests (a test checks it).
+
+    ``ordered``: the requests are already in (arrival, id) order, as a streamed workload's
+    are: they are pulled one at a time as the clock reaches them, never held all at once.
+    ``on_finish(seq, replica)`` is called for every finished sequence. Placements and the
+    timeline are kept as columns (about 14 bytes an event): a day of arrivals fits."""
 
     def __init__(
         self,
-        requests: Sequence[Request],
+        requests: Iterable[Request],
         replicas: list[Simulation],
         router: Router,
         env: simpy.Environment,
-        on_finish: Callable[[Seq], None] | None = None,
+        on_finish: Callable[[Seq, int], None] | None = None,
+        ordered: bool = False,
     ) -> None:
-        self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.id))
+        self.requests = requests if ordered else sorted(requests, key=lambda r: (r.arrival_s, r.id))
         self.replicas = replicas
         self.scheds = [r.sched for r in replicas]
         self.router = router
         self.env = env
         self.events = 0
-        self.replica_of: dict[int, int] = {}
-        self.timeline: list[tuple[float, int, int]] = []
+        self.ids, self.placed = array("q"), array("q")  # request id, replica
+        self.t_s, self.replica, self.in_system = array("d"), array("q"), array("q")
         for i, rep in enumerate(replicas):
             rep.on_finish = self._finished(i, on_finish)
 
+    def _note(self, i: int) -> None:
+        self.t_s.append(self.env.now)
+        self.replica.append(i)
+        self.in_system.append(self.scheds[i].in_system)
+
     def _finished(self, i: int, outer):
         def record(seq: Seq) -> None:
-            self.timeline.append((self.env.now, i, self.scheds[i].in_system))
+            self._note(i)
             if outer is not None:
-                outer(seq)
+                outer(seq, i)
 
         return record
 
     def _place(self, req: Request) -> None:
         i = self.router.choose(self.scheds, req)
-        self.replica_of[req.id] = i
+        self.ids.append(req.id)
+        self.placed.append(i)
         self.replicas[i].admit(req)
-        self.timeline.append((self.env.now, i, self.scheds[i].in_system))
+        self._note(i)
 
     def _arrivals(self):
         waited = yield from replay(self.env, self.requests, self._place)
@@ -182,8 +203,16 @@ class Cluster:
             peak_kv_used_tokens=max(p.peak_kv_used_tokens for p in parts),
             trace=[t for p in parts for t in p.trace],
         )
-        return ClusterResult(merged, self.replica_of, [r.busy_s for r in self.replicas],
-                             self.timeline)  # fmt: skip
+        timeline = pd.DataFrame(
+            {
+                "t_s": np.frombuffer(self.t_s),
+                "replica": np.frombuffer(self.replica, dtype=np.int64),
+                "in_system": np.frombuffer(self.in_system, dtype=np.int64),
+            }
+        )
+        return ClusterResult(merged, np.frombuffer(self.ids, dtype=np.int64),
+                             np.frombuffer(self.placed, dtype=np.int64),
+                             [r.busy_s for r in self.replicas], timeline)  # fmt: skip
 
 
 def replica_stats(result: ClusterResult) -> list[dict]:
@@ -191,14 +220,17 @@ def replica_stats(result: ClusterResult) -> list[dict]:
     requests in the system (time-weighted mean over the makespan, and maximum)."""
     makespan = max(result.result.makespan_s, 1e-12)
     n = len(result.busy_s)
-    served = np.bincount(np.fromiter(result.replica_of.values(), int), minlength=n)
+    served = np.bincount(result.replicas, minlength=n)
+    times = result.timeline["t_s"].to_numpy()
+    counts = result.timeline["in_system"].to_numpy(dtype=float)
+    which = result.timeline["replica"].to_numpy()
     out = []
     for i in range(n):
-        pts = [(t, k) for t, r, k in result.timeline if r == i]
+        mine = which == i
         mean = peak = 0.0
-        if pts:
-            t = np.array([p[0] for p in pts] + [makespan])
-            k = np.array([p[1] for p in pts], dtype=float)
+        if mine.any():
+            t = np.append(times[mine], makespan)
+            k = counts[mine]
             mean = float((k * np.diff(t)).sum() / makespan)
             peak = float(k.max())
         out.append({"replica": i, "requests": int(served[i]),

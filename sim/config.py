@@ -128,7 +128,9 @@ class SimConfig:
     # runs of decode iterations that nothing can change advance in one event (sim/engine.py);
     # false: iteration by iteration (same per-request results, slower)
     fast_forward: bool = True
-    progress: bool = False
+    # a progress bar on stderr; null: only for a run of 50,000 requests or more (minutes of
+    # CPU) when stderr is a terminal
+    progress: bool | None = None
     resume: bool = True  # skip a run whose directory already holds a summary.json
 
 

@@ -81,7 +81,10 @@ class Simulation:
         on_finish: Callable[[Seq], None] | None = None,
         env: simpy.Environment | None = None,
         fast_forward: bool = True,
+        keep_sequences: bool = True,
     ) -> None:
+        """``keep_sequences``: hold every request's Sequence for ``result`` (False: a long run
+        hands each to ``on_finish`` and keeps none)."""
         if mode not in ("lookup", "step"):
             raise ValueError(f"mode must be lookup or step, not {mode!r}")
         self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.id))
@@ -95,6 +98,7 @@ class Simulation:
         self.env = env or simpy.Environment()
         self.events = 0
         self.busy_s = 0.0  # simulated time the executor spent running batches
+        self.keep_sequences = keep_sequences
         self.sequences: list[Seq] = []
         self.trace: list[tuple] = []
         self._wakeup: simpy.Event | None = None
@@ -115,7 +119,9 @@ class Simulation:
     def admit(self, req: Request) -> None:
         """A request arrives now: queue it, and wake or interrupt the executor if it must act.
         A cluster's router calls this for the requests it places on this replica."""
-        self.sequences.append(self.sched.arrive(req, self.env.now))
+        seq = self.sched.arrive(req, self.env.now)
+        if self.keep_sequences:
+            self.sequences.append(seq)
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
         elif self._in_run:

@@ -21,8 +21,10 @@ from sim.cluster import ROUTERS, Cluster, replica_stats
 from sim.config import MemoryConfig, UserError, validate
 from sim.engine import SimResult, Simulation
 from sim.latency import LatencyModel, RoutingModel
-from sim.metrics import outputs
-from sim.workloads import build_workload
+from sim.metrics import Records, records_outputs
+from sim.workloads import stream_workload
+
+LONG_RUN_REQUESTS = 50_000  # a bar by default from here: 15-20 CPU s on the conversation trace
 
 
 @dataclass
@@ -107,12 +109,21 @@ def build_latency(cfg: Any, profile, replica: int = 0) -> LatencyModel:
         raise UserError(f"profile.prefill_attention={prefill}: {e}") from None
 
 
-def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
+def simulate(cfg: Any, requests=None, record_trace: bool = False,
+             keep_sequences: bool = False) -> RunOutput:  # fmt: skip
+    """Run ``requests`` (None: the config's workload, streamed: its requests are made as
+    they arrive) and fold each request into the outputs as it finishes. ``keep_sequences``:
+    also keep every Sequence object in ``result.sequences`` (tests compare them; a long run
+    would hold gigabytes)."""
     validate(cfg)
+    ordered = requests is None
     if requests is None:
-        requests = build_workload(cfg.workload, seed=cfg.seed)
+        requests = stream_workload(cfg.workload, seed=cfg.seed)
     profile = profiles.load(cfg.profile.name, cfg.profile.path)
-    bar = tqdm(total=len(requests), desc="simulating", unit="req") if cfg.progress else None
+    progress = cfg.progress
+    if progress is None:
+        progress = len(requests) >= LONG_RUN_REQUESTS and sys.stderr.isatty()
+    bar = tqdm(total=len(requests), desc="simulating", unit="req") if progress else None
     cluster_cfg = getattr(cfg, "cluster", None)  # absent from the real engine's validation cfg
     n = cluster_cfg.replicas if cluster_cfg else 1
     router_name = cluster_cfg.router if cluster_cfg else "round_robin"
@@ -123,10 +134,17 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
     env = simpy.Environment()
     replicas = [Simulation([], build_scheduler(cfg, profile), build_latency(cfg, profile, i),
                            mode=cfg.boundary_mode, record_trace=record_trace, env=env,
-                           fast_forward=getattr(cfg, "fast_forward", True))
+                           fast_forward=getattr(cfg, "fast_forward", True),
+                           keep_sequences=keep_sequences)
                 for i in range(n)]  # fmt: skip
-    cluster = Cluster(requests, replicas, router, env,
-                      on_finish=(lambda _: bar.update()) if bar else None)  # fmt: skip
+    records = Records(replica_order=True)  # exact ITL figures as from the sequences
+
+    def finished(seq, replica: int) -> None:
+        records.add(seq, replica)
+        if bar:
+            bar.update()
+
+    cluster = Cluster(requests, replicas, router, env, on_finish=finished, ordered=ordered)
     try:
         ran = cluster.run()
         result = ran.result
@@ -139,11 +157,9 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False) -> RunOutput:
     if beyond:
         print(f"warning: profile {profile.name}: extrapolated linearly beyond the grid: "
               + "; ".join(beyond), file=sys.stderr)  # fmt: skip
-    df, summary = outputs(result.sequences, result.makespan_s, result.events, result.wall_s,
-                          cfg.slo)  # fmt: skip
-    df["replica"] = df["id"].map(ran.replica_of).astype("int64")
+    df, summary = records_outputs(records, result.makespan_s, result.events, result.wall_s,
+                                  cfg.slo, with_replica=True)  # fmt: skip
     summary["executor"]["merges"] = sum(rep.sched.merges for rep in replicas)
     summary["cluster"] = {"replicas": n, "router": router_name,
                           "per_replica": replica_stats(ran)}  # fmt: skip
-    timeline = pd.DataFrame(ran.timeline, columns=["t_s", "replica", "in_system"])
-    return RunOutput(df, summary, result, timeline)
+    return RunOutput(df, summary, result, ran.timeline)

@@ -221,3 +221,81 @@ def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_pa
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("qllm-plan: error: --goodput: no request"), err
+
+
+# ------------------------------------------------------------------- streaming, bounded memory
+def app_cfg(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from sim.app import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=["progress=false", *overrides])
+
+
+@pytest.mark.parametrize("policy", ["qllm", "vllm"])
+def test_a_streamed_run_gives_the_results_of_the_materialised_one(policy):
+    """simulate() streams the workload and folds each request into columnar records as it
+    finishes; the same requests as a list, every Sequence kept, give the same table and the
+    same summary, bit for bit (ITL mean and std too: the gaps are taken in the kept list's
+    order, replica by replica)."""
+    from sim.metrics import outputs
+    from sim.run import simulate
+    from sim.workloads import build_workload
+
+    cfg = app_cfg(f"policy={policy}", "memory.model=paged", "workload.num_requests=300",
+                  "workload.rate=12", "cluster.replicas=3",
+                  "cluster.router=least_outstanding")  # fmt: skip
+    streamed = simulate(cfg)
+    kept = simulate(cfg, requests=build_workload(cfg.workload, seed=cfg.seed),
+                    keep_sequences=True)  # fmt: skip
+    assert streamed.result.sequences == [] and len(kept.result.sequences) == 300
+    assert streamed.requests.equals(kept.requests)
+    assert streamed.timeline.equals(kept.timeline)
+    df, summary = outputs(kept.result.sequences, kept.result.makespan_s, kept.result.events,
+                          kept.result.wall_s, cfg.slo)  # fmt: skip
+    assert streamed.requests.drop(columns="replica").equals(df)
+    wall = {"wall_s": 0.0}
+    for s in (streamed.summary, kept.summary, summary):
+        s["executor"].update(wall)
+    assert streamed.summary == kept.summary
+    assert streamed.summary["classes"] == summary["classes"]
+
+
+@pytest.mark.parametrize("policy", [IterationFCFS, QLLM, "vllm"])
+def test_a_long_run_keeps_no_finished_sequence_and_pulls_requests_as_they_arrive(policy):
+    import gc
+    import weakref
+
+    from policies.vllm import VLLM
+
+    reqs = requests(n=150, rate=100.0)
+    profile, env = linear_profile(), simpy.Environment()
+    reps = []
+    for i in range(2):
+        m = profile.model
+        latency = LatencyModel(profile, RoutingModel(m.num_layers, m.num_experts, m.top_k,
+                                                     seed=i))  # fmt: skip
+        if policy == "vllm":  # paged memory: blocks, evictions
+            sched = Scheduler(VLLM(), 3000, memory=build_memory("paged", 3000, 16, 0.0))
+        else:
+            sched = Scheduler(policy(), kv_capacity_tokens=1_000_000)
+        reps.append(Simulation([], sched, latency, env=env, keep_sequences=False))
+    pulled, refs = [0], []
+
+    def stream():
+        for r in reqs:
+            pulled[0] += 1
+            yield r
+
+    def finished(seq, replica):
+        refs.append(weakref.ref(seq))
+        arrived = sum(r.arrival_s <= env.now for r in reqs)
+        assert pulled[0] <= arrived + 1  # read as the clock reaches them (and one ahead)
+
+    out = Cluster(stream(), reps, ROUTERS["round_robin"](2), env, on_finish=finished,
+                  ordered=True).run()  # fmt: skip
+    assert len(refs) == 150 and out.result.sequences == []
+    gc.collect()
+    alive = [r() for r in refs if r() is not None]
+    assert not alive, f"{len(alive)} finished sequences still referenced"
