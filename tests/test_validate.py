@@ -110,8 +110,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, 
         mine = segments[(segments["policy"] == policy) & (segments["rate"] == float(rate))
                         & (segments["replay"] == int(replay))]  # fmt: skip
         assert g["n"] == len(mine) and g["time_error_pct"] == pytest.approx(
-            100 * (mine["predicted_s"].sum() / mine["measured_s"].sum() - 1), rel=1e-4
-        )
+            100 * (mine["predicted_s"].sum() / mine["measured_s"].sum() - 1), abs=0.01
+        )  # the csv keeps 6 significant digits
     kv = {g["value"]: g["n"] for g in groups if g["by"] == "decode KV"}
     assert kv == {"bound": decode["bound"].sum(), "reused": (~decode["bound"]).sum()}
     assert everything["time_error_pct"] == pytest.approx(
