@@ -17,9 +17,9 @@ than inside an iteration, where the rest of the model streamed through the cache
 - ``attn_decode_bind(B, kv)``: the attention of the first step of a new decode batch, which
   copies every sequence's cache into the batch's padded buffer (a step of the same batch
   reuses it): the same shapes, before each step one sequence replaced by a newly prefilled
-  one (``Profiler.bind``). On tiny-mixtral (one thread) such a step's attention costs 1.4-1.9x a
-  reused one at batch 4 and 2.1-2.5x at batch 32 (kv 128-512), the rest of the step about
-  the same;
+  one (``Profiler.bind``). In the tiny-mixtral profile of results/validation (one thread) such
+  a step's attention costs 1.1-1.5x a reused one at batch 1-4 and 1.7-2.4x at batch 16-32;
+  the rest of the step costs about the same;
 - every expert stage of the prefill and decode iterations gives a sample of ``expert(n)``, n
   its queue size; samples are pooled in bins around ``grid.expert_tokens`` (a point per bin:
   median n, median time);

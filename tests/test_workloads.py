@@ -409,3 +409,16 @@ def test_malformed_trace_names_file_and_line(tmp_path, body, line, expected):
     assert str(err.value).startswith(f"workload.path={path}, line {line}: expected ")
     assert expected in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_streamed_workload_refuses_arrival_times_out_of_order():
+    """A streamed run replays requests in index order without sorting them: a time out of
+    order would be admitted late, silently, so the workload refuses it."""
+    from sim.workloads import Workload, _Jobs
+
+    jobs = _Jobs(3)
+    jobs.prompt[:], jobs.output[:] = 8, 4
+    assert [r.arrival_s for r in Workload(np.array([0.0, 1.0, 1.0]), np.zeros(3, bool), jobs)] \
+        == [0.0, 1.0, 1.0]  # fmt: skip
+    with pytest.raises(ValueError, match="must not decrease"):
+        Workload(np.array([0.0, 2.0, 1.0]), np.zeros(3, bool), jobs)

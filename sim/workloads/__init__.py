@@ -92,6 +92,10 @@ class Workload:
     CHUNK = 4096  # requests converted to Python values at a time
 
     def __init__(self, times: np.ndarray, is_ls: np.ndarray, jobs: _Jobs) -> None:
+        # a streamed run replays requests in index order, unsorted: a time out of order would
+        # be admitted late without a word
+        if np.any(np.diff(times) < 0):
+            raise ValueError("arrival times must not decrease (requests stream in index order)")
         self.times, self.is_ls, self.jobs = times, is_ls, jobs
 
     def __len__(self) -> int:
