@@ -80,6 +80,14 @@ def warm_up(runner: ModelRunner, prompt_tokens: int, batch_size: int = 2) -> Non
         runner.run(runner.begin(seqs))
 
 
+def footprint_bytes(requests: list[Request], batch_size: int, kv_bytes_per_token: int) -> int:
+    """A bound on the KV bytes a run holds at once: every request's own cache at its full
+    length (the engine sizes it so on admission), and two padded buffers of the largest decode
+    batch at the longest length (a new batch's is made while the last one's still lives)."""
+    lengths = [r.prompt_tokens + r.output_tokens for r in requests]
+    return (sum(lengths) + 2 * batch_size * max(lengths)) * kv_bytes_per_token
+
+
 def make_clock(kind: ClockKind, virtual_stage_ms: float = 1.0):
     if kind is ClockKind.virtual:
         return VirtualClock(virtual_stage_ms / 1e3)
@@ -109,6 +117,7 @@ def execute(
             bar.close()
     df, summary = outputs(result.sequences, result.makespan_s, result.stages, result.wall_s, slo)
     summary["executor"]["merges"] = scheduler.merges
+    summary["executor"]["page_faults"] = result.page_faults
     return RealOutput(df, summary, result, trace)
 
 
@@ -137,6 +146,7 @@ def realrun(cfg: Any) -> RealOutput:
         # the policy's own cap (vllm names it max_num_seqs; null: infinite)
         largest_batch = int(min(policy.max_batch_size, len(requests)))
         warm_up(runner, max(r.prompt_tokens for r in requests), largest_batch)
+        runner.reserve(footprint_bytes(requests, largest_batch, memory.kv_bytes_per_token))
     level = TraceLevel(cfg.trace)
     trace = None if level is TraceLevel.off else ChromeTrace(stages=level is TraceLevel.stages)
     clock = make_clock(ClockKind(cfg.clock), cfg.get("virtual_stage_ms", 1.0))

@@ -21,8 +21,10 @@ from realrun import validation_table
 from realrun.engine import Segment
 from realrun.validate import (
     CLASSES,
+    PAGE_FAULT_WARNING,
     check,
     covering_grid,
+    page_fault_warning,
     predict_segment,
     records_of,
     run_validation,
@@ -73,7 +75,7 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, 
     rates = sorted({r["rate"] for r in records})
     assert len(rates) == 2 and rates[0] < rates[1]
     keys = {"policy", "rate", "load", "cls", "metric", "sim", "real", "error_pct", "replays",
-            "real_min", "real_max", "real_cv_pct"}  # fmt: skip
+            "real_min", "real_max", "real_cv_pct", "real_page_faults"}  # fmt: skip
     for r in records:
         assert set(r) == keys and r["cls"] in CLASSES
         assert math.isfinite(r["sim"]) and math.isfinite(r["real"]) and r["real"] > 0
@@ -82,6 +84,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, 
         # the real value is the mean of two replays, which differ (wall clock)
         assert r["replays"] == 2 and r["real_min"] <= r["real"] <= r["real_max"]
         assert r["load"] == ("light" if r["rate"] == rates[0] else "loaded")
+        if sys.platform == "linux":  # the timed runs mapped (almost) no memory mid-run
+            assert 0 <= r["real_page_faults"] <= PAGE_FAULT_WARNING
     assert any(r["real_min"] < r["real_max"] and r["real_cv_pct"] > 0 for r in records)
     ops = pd.read_csv(out / "profile" / "ops.csv")
     assert sorted(ops[ops["op"] == "wake_up"]["idle_ms"]) == [0, 5, 40]
@@ -186,6 +190,20 @@ def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         validation_table.main([str(tmp_path / "nowhere")])
     assert e.value.code == 2
+
+
+def test_a_run_that_page_faulted_is_warned_about():
+    summary = {"classes": {c: {"count": 0} for c in CLASSES}, "throughput": {"jobs_per_s": 1.0}}
+    faulted = [{**summary, "executor": {"page_faults": f}} for f in (12, 2400)]
+    records = records_of("fcfs", 9.0, "overload", faulted, summary)
+    assert [r["real_page_faults"] for r in records] == [2400]  # the worst replay
+    warning = page_fault_warning(records)
+    assert warning.startswith("warning: a timed real run page-faulted 2400 times")
+    assert "\n" not in warning
+    quiet = records_of("fcfs", 9.0, "overload", faulted[:1], summary)
+    assert page_fault_warning(quiet) is None
+    uncounted = records_of("fcfs", 9.0, "overload", [summary], summary)  # no executor figures
+    assert uncounted[0]["real_page_faults"] is None and page_fault_warning(uncounted) is None
 
 
 def test_a_segment_that_bound_its_kv_is_predicted_with_the_bind_term():
