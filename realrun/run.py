@@ -80,6 +80,13 @@ def warm_up(runner: ModelRunner, prompt_tokens: int, batch_size: int = 2) -> Non
         runner.run(runner.begin(seqs))
 
 
+# The warm-up maps this many times ``footprint_bytes``: a preempting policy also holds its
+# suspended batch's padded KV, and buffers that sequences pin until they bind anew, and the
+# heap fragments (tiny-olmoe, qllm at 6x load: the heap grew 150-370 MB over the run, against a
+# footprint bound of 100 MB; a run that still page-faults is counted, and validation warns).
+RESERVE_HEADROOM = 8
+
+
 def footprint_bytes(requests: list[Request], batch_size: int, kv_bytes_per_token: int) -> int:
     """A bound on the KV bytes a run holds at once: every request's own cache at its full
     length (the engine sizes it so on admission), and two padded buffers of the largest decode
@@ -146,7 +153,9 @@ def realrun(cfg: Any) -> RealOutput:
         # the policy's own cap (vllm names it max_num_seqs; null: infinite)
         largest_batch = int(min(policy.max_batch_size, len(requests)))
         warm_up(runner, max(r.prompt_tokens for r in requests), largest_batch)
-        runner.reserve(footprint_bytes(requests, largest_batch, memory.kv_bytes_per_token))
+        runner.reserve(
+            RESERVE_HEADROOM * footprint_bytes(requests, largest_batch, memory.kv_bytes_per_token)
+        )
     level = TraceLevel(cfg.trace)
     trace = None if level is TraceLevel.off else ChromeTrace(stages=level is TraceLevel.stages)
     clock = make_clock(ClockKind(cfg.clock), cfg.get("virtual_stage_ms", 1.0))

@@ -288,6 +288,7 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     """The whole comparison; needs Hydra initialized with CONF_DIR (the app or a test)."""
     check(cfg)
     from realrun.run import (
+        RESERVE_HEADROOM,
         execute,
         footprint_bytes,
         load_model,
@@ -323,7 +324,8 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     if cfg.warmup:
         warm_up(runner, cover[1], largest_batch)
         # the lengths (not the arrivals) are the same at every rate
-        runner.reserve(footprint_bytes(nominal, largest_batch, profile.memory.kv_bytes_per_token))
+        footprint = footprint_bytes(nominal, largest_batch, profile.memory.kv_bytes_per_token)
+        runner.reserve(RESERVE_HEADROOM * footprint)
     records, rows = [], []
     cases = [(u, rate, policy) for u, rate in zip(cfg.utilizations, rates, strict=True)
              for policy in cfg.policies]  # fmt: skip
