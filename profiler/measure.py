@@ -27,13 +27,17 @@ than inside an iteration, where the rest of the model streamed through the cache
   chunk of n tokens (``grid.prefill_tokens``) over kv tokens it already cached; only their
   attention stages are filed (router and experts see n tokens, as in a prefill of n).
   ``attn_chunk(n, 0)`` is ``attn_prefill(n)``'s samples: a chunk over no prefix is a prefill;
-- ``wake_up(idle_ms)``: for each idle time of ``wake.idle_ms``, ``wake.repeats`` times: a
-  decode step of one sequence repeated back to back (the warm time of ``WAKE_STEPS`` steps),
-  then the device left idle that long, then the same steps again; the wake-up is the median
-  excess of the second run over the first, on the profile's CPU clock (on CUDA, wall clock,
-  the device synchronised after each step, as the engine reads its tokens). A CPU's cores and
-  a GPU's clocks slow down when idle (an idle H200 drops to 345 MHz): the first iterations
-  after a gap run slower.
+- ``wake_up(idle_ms, busy_ms)``: for each idle time of ``wake.idle_ms``, ``wake.repeats``
+  times: ``WAKE_STEPS`` decode steps of one sequence back to back, each timed (warm), then the
+  device left idle that long, then the same steps again; each step's excess over its warm
+  time is the wake-up's share in it. A point per step boundary k (0..WAKE_STEPS): busy_ms the
+  warm time of the first k steps, the value the excess of the steps after k (medians over the
+  repeats, made non-increasing in k): busy_ms = 0 holds the whole wake-up. On the profile's
+  CPU clock (on CUDA, wall clock, the device synchronised after each step, as the engine
+  reads its tokens). A CPU's cores and a GPU's clocks slow down when idle (an idle H200 drops
+  to 345 MHz): the first iterations after a gap run slower, and on this project's 2-core VM
+  the slow-down fades over about 8 decode steps of a tiny model (15-20 ms): charging all of it
+  to the first batch left the next ones 8-18% short.
 
 Each iteration runs ``warmup`` + ``repeats`` times (the sequences rewound in between), after
 one untimed prefill and decode step at the grid's largest shapes; attention and router samples
@@ -68,8 +72,9 @@ GRID_KEYS = ("prefill_tokens", "decode_batch", "decode_kv", "expert_tokens")
 # CPU clocks: wall time, or this process's CPU time (steady on a shared machine; it equals the
 # wall time of an uncontended run only with one torch thread).
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
-# Decode steps timed per wake-up sample: the slow-down after an idle gap lasts a few steps.
-WAKE_STEPS = 4
+# Decode steps timed per wake-up sample: the slow-down after an idle gap fades over about 8
+# steps of a tiny model on a CPU (the validation's per-iteration errors by step since a gap).
+WAKE_STEPS = 16
 # Share of free device memory the KV cache may take (the rest: activations, allocator slack).
 KV_MEMORY_SHARE = 0.9
 
@@ -319,18 +324,19 @@ class Profiler:
         bar.close()
         return self.table() + self.wake_points()
 
-    def _steps_s(self, seqs: list[KVSequence], steps: int) -> float:
-        """Seconds of ``steps`` decode steps on the profile's clock (on CUDA, wall), the
-        sequences rewound after each."""
+    def _steps_s(self, seqs: list[KVSequence], steps: int) -> np.ndarray:
+        """Seconds of each of ``steps`` decode steps on the profile's clock (on CUDA, wall),
+        the sequences rewound after each."""
         runner = self.runner
         clock = time.perf_counter if self.clock.cuda else self.clock.clock
         marks = [(len(s.token_ids), s.num_cached) for s in seqs]
-        t0 = clock()
+        times = [clock()]
         for _ in range(steps):
             runner.run(runner.begin(seqs))  # returns the tokens: the device has finished
             for s, (n, c) in zip(seqs, marks, strict=True):
                 s.truncate(n, c)
-        return clock() - t0
+            times.append(clock())
+        return np.diff(times)
 
     def wake_points(self) -> list[OpPoint]:
         """``wake_up`` at each idle time (module docstring); none when wake.idle_ms is empty."""
@@ -340,17 +346,26 @@ class Profiler:
         seqs = self.prompts([min(s.decode_kv)])
         self.runner.run(self.runner.begin(seqs))  # the prefill: one token left to feed
         self._steps_s(seqs, WAKE_STEPS)  # warm
-        excess: dict[int, list[float]] = defaultdict(list)
+        # per idle time, per repeat: (warm time of the first k steps, excess of the rest), k
+        # = 0..WAKE_STEPS, in ms
+        runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
         for _ in range(s.wake_repeats):  # the idle times interleaved: drifts hit them alike
             for idle_ms in s.wake_idle_ms:
-                warm_s = self._steps_s(seqs, WAKE_STEPS)
+                warm = self._steps_s(seqs, WAKE_STEPS)
                 time.sleep(idle_ms / 1e3)
-                excess[idle_ms].append(self._steps_s(seqs, WAKE_STEPS) - warm_s)
+                excess = 1e3 * (self._steps_s(seqs, WAKE_STEPS) - warm)
+                busy = np.concatenate([[0.0], np.cumsum(1e3 * warm)])
+                left = np.concatenate([np.cumsum(excess[::-1])[::-1], [0.0]])
+                runs[idle_ms].append((busy, left))
         points = [OpPoint("wake_up", idle_ms=0)]
-        for idle_ms, samples in sorted(excess.items()):
-            med, p90 = summarize([1e3 * x for x in samples])
-            points.append(OpPoint("wake_up", median_ms=max(med, 0.0), p90_ms=max(p90, 0.0),
-                                  idle_ms=idle_ms))  # fmt: skip
+        for idle_ms, samples in sorted(runs.items()):
+            busy = np.median([b for b, _ in samples], axis=0)
+            left = np.array([x for _, x in samples])
+            med = np.maximum(np.minimum.accumulate(np.median(left, axis=0)), 0.0)
+            p90 = np.maximum(np.percentile(left, 90, axis=0), med)
+            points += [OpPoint("wake_up", median_ms=float(m), p90_ms=float(p), idle_ms=idle_ms,
+                               busy_ms=round(float(b), 4))
+                       for b, m, p in zip(busy, med, p90, strict=True)]  # fmt: skip
         return points
 
     def table(self) -> list[OpPoint]:

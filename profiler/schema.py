@@ -4,7 +4,7 @@ A profile is a directory with two files:
 
 ``profile.json``: metadata::
 
-    {"schema_version": 1, "name": str, "source": "measured" | "analytic" | "calibrated",
+    {"schema_version": 3, "name": str, "source": "measured" | "analytic" | "calibrated",
      "description": str, "calibration": str,          # how the numbers were obtained
      "device": str, "dtype": str, "torch_version": str | null,
      "transformers_version": str | null, "created": "YYYY-MM-DD",
@@ -35,9 +35,10 @@ loader warn about it in one line.
 ``ops.csv``: one row per measured point, times in milliseconds for ONE layer (the executor
 multiplies per-layer ops by the number of layers)::
 
-    op,batch_size,num_tokens,kv_tokens,median_ms,p90_ms,idle_ms
+    op,batch_size,num_tokens,kv_tokens,median_ms,p90_ms,idle_ms,busy_ms
 
-(``idle_ms`` came with schema version 2; a version-1 file has no such column and reads as 0.)
+(``idle_ms`` came with schema version 2, ``busy_ms`` with 3; an older file has no such column
+and reads as 0.)
 
 ========================  =============================  ==================================
 op                        key columns (others are 0)     what was timed
@@ -87,12 +88,17 @@ op                        key columns (others are 0)     what was timed
                                                          of num_tokens new tokens, once per
                                                          resume, for the whole model (not per
                                                          layer); absent: preemption is free
-``wake_up``               idle_ms                        optional: the extra time of the
-                                                         first iterations after the device
-                                                         sat idle for idle_ms (clocks down,
-                                                         caches cold), whole model, charged
-                                                         once before the next batch; idle_ms
-                                                         = 0 is 0 by definition; absent: none
+``wake_up``               idle_ms, busy_ms               optional: the extra time still
+                                                         to come, after busy_ms of (warm)
+                                                         work, of the first iterations after
+                                                         the device sat idle for idle_ms
+                                                         (clocks down, caches cold), whole
+                                                         model: busy_ms = 0 is all of it;
+                                                         after a row's last busy_ms nothing
+                                                         is left (a row of busy_ms = 0 alone
+                                                         is charged whole to the first
+                                                         batch); idle_ms = 0 is 0 by
+                                                         definition; absent: none
 ========================  =============================  ==================================
 
 Optional ops may have no points; every other op needs at least one.
@@ -106,8 +112,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: no idle_ms column
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # version 1: no idle_ms column; 2: no busy_ms column
 OPS: dict[str, tuple[str, ...]] = {
     "attn_prefill": ("num_tokens",),
     "attn_decode": ("batch_size", "kv_tokens"),
@@ -119,7 +125,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "attn_prefill_batch": ("batch_size", "num_tokens"),
     "attn_chunk": ("num_tokens", "kv_tokens"),
     "preempt_switch": ("num_tokens",),
-    "wake_up": ("idle_ms",),
+    "wake_up": ("idle_ms", "busy_ms"),
 }
 OPTIONAL_OPS = frozenset(
     {"attn_decode_bind", "attn_prefill_batch", "attn_chunk", "preempt_switch", "wake_up"}
@@ -135,8 +141,9 @@ REPEATED_OPS = ("attn_prefill", "attn_decode", "attn_decode_bind", "router", "lm
 # at a load of ~10 a threads=1 profile reached 2.7x (process clock) and 50x (wall clock), and
 # with all threads some stages came out 1,600x slower.
 NOISY_SPREAD = 2.0
-COLUMNS = ("op", "batch_size", "num_tokens", "kv_tokens", "median_ms", "p90_ms", "idle_ms")
-COLUMNS_V1 = COLUMNS[:-1]
+COLUMNS = ("op", "batch_size", "num_tokens", "kv_tokens", "median_ms", "p90_ms", "idle_ms",
+           "busy_ms")  # fmt: skip
+VERSION_COLUMNS = {1: COLUMNS[:-2], 2: COLUMNS[:-1], 3: COLUMNS}
 META_FILE = "profile.json"
 OPS_FILE = "ops.csv"
 
@@ -154,6 +161,7 @@ class OpPoint:
     median_ms: float = 0.0
     p90_ms: float = 0.0
     idle_ms: int = 0
+    busy_ms: float = 0.0
 
     def key(self) -> tuple[int, ...]:
         return tuple(getattr(self, k) for k in OPS[self.op])
@@ -258,6 +266,8 @@ class Profile:
                 raise ProfileError(f"{where}: unknown op {p.op!r}; expected one of {sorted(OPS)}")
             if not (math.isfinite(p.median_ms) and p.median_ms >= 0):
                 raise ProfileError(f"{where}: {p.op} at {p.key()} has median_ms={p.median_ms}")
+            if not (math.isfinite(p.busy_ms) and p.busy_ms >= 0):
+                raise ProfileError(f"{where}: {p.op} at {p.key()} has busy_ms={p.busy_ms}")
         missing = set(OPS) - OPTIONAL_OPS - {p.op for p in self.points}
         if missing:
             raise ProfileError(f"{where}: no points for ops {sorted(missing)}")
@@ -321,7 +331,8 @@ class Profile:
             w.writerow(COLUMNS)
             for p in sorted(self.points, key=lambda p: (p.op, p.key())):
                 w.writerow([p.op, p.batch_size, p.num_tokens, p.kv_tokens,
-                            f"{p.median_ms:.6g}", f"{p.p90_ms:.6g}", p.idle_ms])  # fmt: skip
+                            f"{p.median_ms:.6g}", f"{p.p90_ms:.6g}", p.idle_ms,
+                            f"{p.busy_ms:.6g}"])  # fmt: skip
         return directory
 
     @classmethod
@@ -341,7 +352,7 @@ class Profile:
                 f"{meta_path}: schema_version {version!r}, expected one of "
                 f"{list(READABLE_VERSIONS)}"
             )
-        columns = COLUMNS if version == SCHEMA_VERSION else COLUMNS_V1
+        columns = VERSION_COLUMNS[version]
         points = []
         with open(ops_path, newline="") as f:
             reader = csv.DictReader(f)
@@ -358,6 +369,7 @@ class Profile:
                             median_ms=float(row["median_ms"]),
                             p90_ms=float(row["p90_ms"]),
                             idle_ms=int(row.get("idle_ms") or 0),
+                            busy_ms=float(row.get("busy_ms") or 0),
                         )
                     )
                 except (TypeError, ValueError):

@@ -188,11 +188,14 @@ def shape_batch(phase: str, shape: list[tuple[str, int, int]]) -> Batch:
     return Batch(seqs, Phase(phase))
 
 
-def predict_segment(latency, segment, draws: int = PREDICTION_DRAWS) -> tuple[float, float]:
+def predict_segment(
+    latency, segment, draws: int = PREDICTION_DRAWS, wake: tuple[float, float] | None = None
+) -> tuple[float, float]:
     """(predicted seconds, of which wake-up) of a recorded segment, as the simulator charges
     it: the plan's time from the start to the end cursor (mean over routing draws; binding a
-    new padded KV when the engine did), the switch of a resumed batch, and the wake-up after
-    the idle time before it."""
+    new padded KV when the engine did), the switch of a resumed batch, and its share of the
+    wake-up: ``wake`` is (idle seconds, busy seconds since), by default the idle time just
+    before the segment and none since."""
     batch = shape_batch(segment.phase, segment.shape)
     run_s = statistics.fmean(
         (plan := latency.plan(batch, segment.bound)).offset(segment.end_cursor)
@@ -202,7 +205,8 @@ def predict_segment(latency, segment, draws: int = PREDICTION_DRAWS) -> tuple[fl
     if segment.start_cursor:
         batch.cursor = segment.start_cursor
         run_s += latency.switch_s(batch)
-    wake_s = latency.wake_s(segment.idle_s)
+    idle_s, busy_s = wake if wake is not None else (segment.idle_s, 0.0)
+    wake_s = latency.wake_s(idle_s, busy_s, run_s)
     return run_s + wake_s, wake_s
 
 
@@ -220,8 +224,14 @@ def bucket(value: int, edges: tuple[int, ...]) -> str:
 
 def iteration_rows(policy: str, rate: float, replay: int, segments, latency) -> list[dict]:
     rows = []
+    wake = None  # (idle seconds, busy seconds since) while the simulator would charge a wake-up
     for seg in segments:
-        predicted_s, wake_s = predict_segment(latency, seg)
+        if seg.idle_s > 0:
+            wake = (seg.idle_s, 0.0)
+        predicted_s, wake_s = predict_segment(latency, seg, wake=wake or (0.0, 0.0))
+        if wake is not None:
+            busy_s = wake[1] + predicted_s - wake_s
+            wake = (wake[0], busy_s) if busy_s < latency.wake_window_s else None
         measured_s = seg.measured_s
         phase_tokens = (sum(n for _, n, _ in seg.shape) if seg.phase == Phase.PREFILL.value
                         else max(c for _, _, c in seg.shape))  # fmt: skip

@@ -104,6 +104,8 @@ class Simulation:
         self._wakeup: simpy.Event | None = None
         # since when the executor has had nothing to run (None: busy); it starts idle at 0
         self._idle_since: float | None = 0.0
+        # (idle time, busy time since) while a wake-up is being charged (None: spent)
+        self._wake: tuple[float, float] | None = None
         self._interruptible = False
         self._in_run = False  # in a fast-forwarded run of decode iterations: any arrival cuts it
         self._arrivals_done = False
@@ -159,8 +161,14 @@ class Simulation:
                 batch.plan = self.latency.plan(batch, self._binds(batch))
             start = env.now
             if self._idle_since is not None:  # the device sat idle: it wakes up first
-                wake_s = self.latency.wake_s(env.now - self._idle_since)
+                self._wake = (env.now - self._idle_since, 0.0)
                 self._idle_since = None
+            if self._wake is not None:  # each batch its share of the wake-up, until it is spent
+                idle_s, busy_s = self._wake
+                run_s = batch.plan.total_s - batch.plan.offset(batch.cursor)
+                wake_s = self.latency.wake_s(idle_s, busy_s, run_s)
+                busy_s += run_s
+                self._wake = (idle_s, busy_s) if busy_s < self.latency.wake_window_s else None
                 if wake_s > 0:
                     yield env.timeout(wake_s)
                     self.events += 1
@@ -173,7 +181,8 @@ class Simulation:
                 self.busy_s += env.now - start  # a fast-forwarded run (which restarts the
                 start = env.now  # count at its last iteration) keeps them too
             partner = sched.merge_partner()
-            run = self._decode_run(batch) if partner is None else None
+            # a fast-forwarded run charges no wake-up: none runs before the wake-up is spent
+            run = self._decode_run(batch) if partner is None and self._wake is None else None
             if run is not None:
                 start, preempted = yield from self._run_decodes(batch, run)
             else:

@@ -8,8 +8,9 @@ An expert that received no token has a zero-length stage. ``Plan.offset(i)`` is 
 which stage i starts (boundary i); a batch's cursor is such a boundary index. Which
 boundaries allow preemption depends on the policy's granularity (``Plan.preemptible``).
 A suspended batch pays ``LatencyModel.switch_s`` (the profile's context-switch cost) when it
-resumes, before the stage at its cursor; the first batch after an idle stretch pays
-``LatencyModel.wake_s`` (the profile's wake-up cost at that idle time) before it starts. KV
+resumes, before the stage at its cursor; the first batches after an idle stretch pay
+``LatencyModel.wake_s`` before they start: the profile's wake-up cost at that idle time, each
+batch its share of it over the busy time it covers (``wake_up`` by busy time). KV
 swapped between host and device for an iteration (``Batch.swap_tokens``) is copied before it
 runs: its time, at the profile's ``swap_bytes_per_s``, is part of the iteration's first stage.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -416,6 +418,37 @@ def preemptible_boundaries(
     return _boundary_cache[key]
 
 
+class WakeUp:
+    """The profile's ``wake_up``: per idle time (a row), the extra time still to come after
+    some busy time, interpolated in both (linearly between rows; held at the last row beyond
+    it: a device that has clocked down fully stays down). Past a row's last busy time nothing
+    is left, so a row of busy_ms = 0 alone is all charged to the first batch."""
+
+    def __init__(self, points: list[OpPoint]) -> None:
+        rows: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for p in points:
+            rows[p.idle_ms].append((p.busy_ms, p.median_ms))
+        self.idle_ms = sorted(rows)
+        self.rows = [tuple(np.array(col) for col in zip(*sorted(rows[i]), strict=True))
+                     for i in self.idle_ms]  # fmt: skip
+        self.window_s = max(busy[-1] for busy, _ in self.rows) / 1e3
+
+    @staticmethod
+    def _row(row: tuple[np.ndarray, np.ndarray], busy_ms: float) -> float:
+        busy, left = row
+        return 0.0 if busy_ms > busy[-1] else float(np.interp(busy_ms, busy, left))
+
+    def left_ms(self, idle_ms: float, busy_ms: float) -> float:
+        xs = self.idle_ms
+        if idle_ms <= xs[0]:
+            return self._row(self.rows[0], busy_ms)
+        if idle_ms >= xs[-1]:
+            return self._row(self.rows[-1], busy_ms)
+        i = bisect.bisect_right(xs, idle_ms) - 1
+        y0, y1 = self._row(self.rows[i], busy_ms), self._row(self.rows[i + 1], busy_ms)
+        return y0 + (y1 - y0) * (idle_ms - xs[i]) / (xs[i + 1] - xs[i])
+
+
 class LatencyModel:
     """Plans iterations from a profile (per-layer op times) and a routing model.
 
@@ -465,7 +498,9 @@ class LatencyModel:
         switch_points = profile.op_points("preempt_switch")
         self.switch = Curve1D(switch_points, "num_tokens") if switch_points else None
         wake_points = profile.op_points("wake_up")
-        self.wake = Curve1D(wake_points, "idle_ms") if wake_points else None
+        self.wake = WakeUp(wake_points) if wake_points else None
+        # busy time after a wake-up past which nothing of it is left (0: all at the first batch)
+        self.wake_window_s = self.wake.window_s if self.wake is not None else 0.0
         self._pools: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         mem = profile.memory
         self.swap_s_per_token = mem.kv_bytes_per_token / mem.swap_bytes_per_s
@@ -485,13 +520,16 @@ class LatencyModel:
     def switch_s(self, batch: Batch) -> float:
         return self.switch.scalar(batch.new_tokens) if self.switch is not None else 0.0
 
-    def wake_s(self, idle_s: float) -> float:
-        """The extra time of the first batch after the device sat idle for ``idle_s``: the
-        profile's ``wake_up`` interpolated in the idle time, held at its last point beyond
-        the grid (a device that has clocked down fully stays down); 0 without that op."""
+    def wake_s(self, idle_s: float, busy_s: float = 0.0, run_s: float = math.inf) -> float:
+        """The wake-up's extra time in a batch that runs ``run_s`` (warm) from ``busy_s`` of
+        work after the device sat idle for ``idle_s``: what the profile's ``wake_up`` leaves
+        at busy_s minus what it leaves at busy_s + run_s (by default all of it); 0 without
+        that op."""
         if self.wake is None or idle_s <= 0:
             return 0.0
-        return self.wake.scalar(min(round(idle_s * 1e3, 3), self.wake.xs[-1]))
+        idle_ms = round(idle_s * 1e3, 3)
+        return max(self.wake.left_ms(idle_ms, busy_s * 1e3)
+                   - self.wake.left_ms(idle_ms, (busy_s + run_s) * 1e3), 0.0) / 1e3  # fmt: skip
 
     def attention_s(self, batch: Batch, bind: bool = False) -> float:
         decode = (

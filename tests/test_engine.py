@@ -292,6 +292,37 @@ def test_the_first_batch_after_an_idle_stretch_pays_the_profiles_wake_up():
     assert latency.wake_s(60.0) == pytest.approx(0.020) and latency.wake_s(0.0) == 0.0
 
 
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_a_wake_up_measured_by_busy_time_is_shared_by_the_batches_it_spans(fast_forward):
+    """After 5 s idle, wake_up leaves 20 ms at 0 ms of work, 6 ms after 30 ms, none after 50
+    ms. The prefill (27.4 ms warm) pays 20 - 12.79 (what is left at 27.4 ms: 7.21 ms); the
+    first decode step (13.88 ms) 7.21 - 2.62; the second the last 2.62 ms; later steps, which
+    may then be fast-forwarded, nothing."""
+    base = linear_profile()
+    wake = [OpPoint("wake_up", idle_ms=0),
+            *(OpPoint("wake_up", median_ms=m, idle_ms=100, busy_ms=b)
+              for b, m in ((0.0, 20.0), (30.0, 6.0), (50.0, 0.0)))]  # fmt: skip
+    woken = replace(base, points=base.points + wake)
+    reqs = [Request(0, "BE", 5.0, 20, 12)]
+
+    def tokens(profile):
+        latency = LatencyModel(profile, RoutingModel(4, 8, 2))
+        sched = Scheduler(IterationFCFS(), 1_000_000)
+        sim = Simulation(reqs, sched, latency, fast_forward=fast_forward, record_trace=False)
+        seq = sim.run().sequences[0]
+        return seq.first_token_s, np.cumsum(seq.token_gaps_s), seq.finish_s  # token times
+
+    (plain_first, plain_gaps, plain_end), (first, gaps, end) = tokens(base), tokens(woken)
+    left_at_prefill = 20 - 14 * 27.4 / 30
+    left_after_one = 6 - 6 * (27.4 + 13.88 - 30) / 20
+    assert first - plain_first == pytest.approx((20 - left_at_prefill) / 1e3, abs=1e-9)
+    assert gaps[0] - plain_gaps[0] == pytest.approx((left_at_prefill - left_after_one) / 1e3,
+                                                    abs=1e-6)  # float32 gaps  # fmt: skip
+    assert gaps[1] - plain_gaps[1] == pytest.approx(left_at_prefill / 1e3, abs=1e-6)  # + the last
+    assert gaps[2:] == pytest.approx(plain_gaps[2:] + gaps[1] - plain_gaps[1], abs=1e-6)
+    assert end - plain_end == pytest.approx(0.020, abs=1e-9)
+
+
 def bind_profile(extra_ms: float = 5.0):
     """The linear profile whose decode attention costs ``extra_ms`` more per layer when the
     step binds a new padded KV (a new decode batch)."""

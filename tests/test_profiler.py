@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -284,15 +285,18 @@ def test_warm_ups_reach_the_largest_batch_and_prompt(monkeypatch):
 
 def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypatch):
     """On a clock of its own (deterministic): a device whose step takes 1 ms, and 40 ms more
-    once it sat idle 50 ms or more. The profiler measures 40 ms at 150 ms of idle time, none at
-    2 ms, 0 at 0."""
+    on the first step and 10 ms more on the second once it sat idle 50 ms or more. The
+    profiler measures, at 150 ms of idle time, 50 ms left after no work, 10 ms after one step's
+    (1 ms), none after two; none at 2 ms of idle time; 0 at 0."""
     runner = ModelRunner(build_model("tiny-mixtral")[0])
-    clock = {"now": 0.0, "last": 0.0}
+    clock = {"now": 0.0, "last": 0.0, "cold": []}
     run_steps = runner.run
 
     def run(state):
         out = run_steps(state)
-        clock["now"] += 0.001 + (0.04 if clock["now"] - clock["last"] >= 0.05 else 0.0)
+        if clock["now"] - clock["last"] >= 0.05:
+            clock["cold"] = [0.04, 0.01]
+        clock["now"] += 0.001 + (clock["cold"].pop(0) if clock["cold"] else 0.0)
         clock["last"] = clock["now"]
         return out
 
@@ -304,25 +308,44 @@ def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypa
     settings = Settings([4], [1], [8], [1], wake_idle_ms=(2, 150), wake_repeats=3)
     profiler = Profiler(runner, settings, torch.device("cpu"))
     profiler.clock.clock = lambda: clock["now"]  # the profile's CPU clock, wall or process
-    points = {p.idle_ms: p for p in profiler.wake_points()}
-    assert sorted(points) == [0, 2, 150] and points[0].median_ms == 0
-    assert points[2].median_ms == pytest.approx(0, abs=1e-9)
-    assert points[150].median_ms == pytest.approx(40) and points[150].p90_ms == pytest.approx(40)
-    assert all(p.op == "wake_up" for p in points.values())
+    rows = defaultdict(list)
+    for p in profiler.wake_points():
+        assert p.op == "wake_up"
+        rows[p.idle_ms].append((p.busy_ms, p.median_ms, p.p90_ms))
+    assert sorted(rows) == [0, 2, 150] and rows[0] == [(0, 0, 0)]
+    steps = measure.WAKE_STEPS + 1
+    assert [b for b, _, _ in rows[150]] == pytest.approx(list(range(steps)))
+    assert [m for _, m, _ in rows[150]] == pytest.approx([50, 10] + [0] * (steps - 2), abs=1e-6)
+    assert [p for _, _, p in rows[150]] == pytest.approx([50, 10] + [0] * (steps - 2), abs=1e-6)
+    assert [m for _, m, _ in rows[2]] == pytest.approx([0] * steps, abs=1e-6)
 
 
-def test_profiles_of_schema_1_load_and_version_2_keeps_the_wake_up(tmp_path):
-    """The shipped profiles are version 1 (no idle_ms column); a saved profile is version 2
-    and round-trips its wake_up points."""
-    v1 = profiles.load("a100-mixtral-nf4-hf")
-    assert v1.op_points("wake_up") == []
+def test_a_saved_profile_is_version_3_and_versions_1_and_2_still_load(tmp_path):
+    """A saved profile is version 3 and round-trips its wake_up points, busy times included;
+    a version-2 file (no busy_ms column) and a version-1 file (no idle_ms either) read those
+    columns as 0."""
+    base = profiles.load("a100-mixtral-nf4-hf")
+    assert base.op_points("wake_up") == []
     wake = [OpPoint("wake_up", idle_ms=0), OpPoint("wake_up", median_ms=3.5, p90_ms=4.0,
-                                                   idle_ms=200)]  # fmt: skip
-    saved = replace(v1, points=v1.points + wake).save(tmp_path / "p")
-    assert json.loads((saved / "profile.json").read_text())["schema_version"] == 2
+                                                   idle_ms=200),
+            OpPoint("wake_up", median_ms=0.5, p90_ms=1.0, idle_ms=200, busy_ms=2.25)]  # fmt: skip
+    saved = replace(base, points=base.points + wake).save(tmp_path / "p")
+    assert json.loads((saved / "profile.json").read_text())["schema_version"] == 3
     assert Profile.load(saved).op_points("wake_up") == wake
-    header = (saved / "ops.csv").read_text().splitlines()[0]
-    assert header.endswith(",idle_ms")
+    lines = (saved / "ops.csv").read_text().splitlines()
+    assert lines[0].endswith(",idle_ms,busy_ms")
+    meta = json.loads((saved / "profile.json").read_text())
+    for version, keep in ((2, -1), (1, -2)):
+        old = tmp_path / f"v{version}"
+        shutil.copytree(saved, old)
+        (old / "profile.json").write_text(json.dumps({**meta, "schema_version": version}))
+        rows = [line for line in lines if "2.25" not in line]  # a point only version 3 has
+        (old / "ops.csv").write_text("\n".join(",".join(r.split(",")[:keep]) for r in rows))
+        points = Profile.load(old).points
+        assert all(p.busy_ms == 0 for p in points)
+        assert [p.idle_ms for p in points if p.op == "wake_up"] == ([0, 200] if version == 2
+                                                                    else [0, 0])  # fmt: skip
+        assert [p for p in points if p.op != "wake_up"] == base.points
     (saved / "ops.csv").write_text("op,median_ms\n")
     with pytest.raises(ValueError, match="header must be"):
         Profile.load(saved)

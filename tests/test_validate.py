@@ -17,6 +17,8 @@ import torch
 from conftest import linear_profile
 from hydra import compose, initialize_config_dir
 
+from profiler.measure import WAKE_STEPS
+from profiler.schema import OpPoint
 from realrun import validation_table
 from realrun.engine import Segment
 from realrun.validate import (
@@ -24,6 +26,7 @@ from realrun.validate import (
     PAGE_FAULT_WARNING,
     check,
     covering_grid,
+    iteration_rows,
     page_fault_warning,
     predict_segment,
     records_of,
@@ -88,7 +91,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, 
             assert 0 <= r["real_page_faults"] <= PAGE_FAULT_WARNING
     assert any(r["real_min"] < r["real_max"] and r["real_cv_pct"] > 0 for r in records)
     ops = pd.read_csv(out / "profile" / "ops.csv")
-    assert sorted(ops[ops["op"] == "wake_up"]["idle_ms"]) == [0, 5, 40]
+    wake = ops[ops["op"] == "wake_up"]  # a point per step of WAKE_STEPS at each idle time
+    assert sorted(set(wake["idle_ms"])) == [0, 5, 40] and len(wake) == 1 + 2 * (WAKE_STEPS + 1)
     # every executed segment of every real run, beside its prediction
     segments = pd.read_csv(out / "iterations.csv.gz")
     assert set(segments["replay"]) == {0, 1} and set(segments["policy"]) == {"fcfs", "qllm"}
@@ -222,3 +226,26 @@ def test_a_segment_that_bound_its_kv_is_predicted_with_the_bind_term():
 
     reused, bound = predicted(seg), predicted(replace(seg, bound=True))
     assert bound - reused == pytest.approx(base.model.num_layers * 0.005)
+
+
+def test_the_segments_after_an_idle_gap_share_its_wake_up_as_the_simulator_charges_it():
+    """wake_up (100 ms idle) leaves 20 ms at 0 ms of work, none after 50 ms: the segments
+    after a gap get shares that add up to 20 ms, the first the largest; the segment after the
+    next gap starts over, and once the wake-up is spent the others get none."""
+    base = linear_profile()
+    wake = [OpPoint("wake_up", idle_ms=0),
+            *(OpPoint("wake_up", median_ms=m, idle_ms=100, busy_ms=b)
+              for b, m in ((0.0, 20.0), (30.0, 6.0), (50.0, 0.0)))]  # fmt: skip
+    latency = LatencyModel(replace(base, points=base.points + wake), RoutingModel(4, 8, 2))
+    prefill, decode = [("prefill", 20, 0)], [("decode", 1, 20)]
+    end = latency.plan(shape_batch("decode", decode)).num_stages
+    segs = [Segment(0, "prefill", prefill, 0, end, 0.0, 0.03, 0.2, False)]
+    segs += [Segment(i, "decode", decode, 0, end, 0.0, 0.014, 0.0, False) for i in range(1, 7)]
+    segs += [replace(segs[0], idle_s=0.3), replace(segs[1], idle_s=0.0)]
+    rows = iteration_rows("fcfs", 1.0, 0, segs, latency)
+    shares = [r["wake_s"] for r in rows]
+    assert sum(shares[:7]) == pytest.approx(0.020) and shares[0] > shares[1] > shares[2] > 0
+    assert shares[4:7] == [0.0, 0.0, 0.0]  # past 50 ms of work
+    assert shares[7] == pytest.approx(shares[0]) and shares[8] == pytest.approx(shares[1])
+    for r in rows:
+        assert r["predicted_s"] > r["wake_s"] >= 0
