@@ -116,6 +116,11 @@ class IterationFCFS(Policy):
         # after i decodes waiting_tokens is i higher; the select that sees max_waiting_tokens joins
         return max(1, self.max_waiting_tokens - self.waiting_tokens)
 
+    def decode_run_on_arrival(self, s: Scheduler, batch: Batch, seq) -> float:
+        """``decode_run`` reads the waiting queue as it is, and the counter as it was when the
+        run began (``on_decodes`` has not yet applied the run)."""
+        return self.decode_run(s, batch)
+
     def on_decodes(self, s: Scheduler, batch: Batch, ends_s) -> None:
         self.waiting_tokens += len(ends_s)
 

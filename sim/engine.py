@@ -105,7 +105,8 @@ class Simulation:
         # since when the executor has had nothing to run (None: busy); it starts idle at 0
         self._idle_since: float | None = 0.0
         self._interruptible = False
-        self._in_run = False  # in a fast-forwarded run of decode iterations: any arrival cuts it
+        self._in_run = False  # in a fast-forwarded run of decode iterations
+        self._run_iterations = 0  # its length
         self._arrivals_done = False
         # the sequences (ids, in order) of the last decode steps, whose padded KV is bound
         self._bound: tuple[int, ...] | None = None
@@ -124,7 +125,7 @@ class Simulation:
             self.sequences.append(seq)
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
-        elif self._in_run:
+        elif self._in_run and self._cuts_run(seq):
             self._in_run = False
             self._executor.interrupt()
             self.events += 1
@@ -132,6 +133,14 @@ class Simulation:
             self._interruptible = False
             self._executor.interrupt()
             self.events += 1
+
+    def _cuts_run(self, seq: Seq) -> bool:
+        """Whether an arrival during a fast-forwarded run changes what the run assumed: the
+        policy preempts the batch, or would select otherwise before the run's end."""
+        sched = self.sched
+        if sched.preemptible and sched.should_preempt():
+            return True
+        return sched.decode_run_on_arrival(seq) < self._run_iterations
 
     def close_arrivals(self) -> None:
         """No request will arrive any more: an idle executor may finish."""
@@ -238,7 +247,7 @@ class Simulation:
         env, sched = self.env, self.sched
         # sequential sums: each end is the float env.now reaches iteration by iteration
         ends = np.concatenate(([env.now], run.totals_s)).cumsum()
-        self._in_run = True
+        self._in_run, self._run_iterations = True, len(run.totals_s)
         try:
             yield from self._until(float(ends[-1]))
             self._in_run = False

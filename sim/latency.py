@@ -470,6 +470,7 @@ class LatencyModel:
         mem = profile.memory
         self.swap_s_per_token = mem.kv_bytes_per_token / mem.swap_bytes_per_s
         self._pool_sums: dict[int, np.ndarray] = {}  # each pool sample's float(times.sum())
+        self._attention_blocks: dict[tuple[int, int], np.ndarray] = {}  # decode_attention_s
 
     def curves(self) -> list[Curve1D | Curve2D]:
         curves = [self.attn_prefill, self.attn_decode, self.attn_decode_bind, self.router]
@@ -564,14 +565,33 @@ class LatencyModel:
             self._pool_sums[size] = sums
         return DecodeRun(self, batch.plan, size, kv, n, sums)
 
+    ATTENTION_BLOCK_TOKENS = 1024
+
+    def decode_attention_s(self, size: int, kv: int, n: int) -> np.ndarray:
+        """``attn_decode`` at (size, kv), (size, kv + 1), ... n points within the grid: slices
+        of blocks of contexts computed once each by ``Curve2D.within`` (the same floats), so
+        that a run costs a few numpy calls, not a Python loop over its iterations."""
+        block = self.ATTENTION_BLOCK_TOKENS
+        first, last = kv // block, (kv + n - 1) // block
+        parts = [self._attention_block(size, b) for b in range(first, last + 1)]
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        start = kv - first * block
+        return rows[start : start + n]
+
+    def _attention_block(self, size: int, b: int) -> np.ndarray:
+        rows = self._attention_blocks.get((size, b))
+        if rows is None:
+            block = self.ATTENTION_BLOCK_TOKENS
+            keys = np.arange(b * block, min((b + 1) * block, self._decode_grid_kv + 1))
+            rows = self._attention_blocks[(size, b)] = self.attn_decode.within(size, keys)
+        return rows
+
 
 class DecodeRun:
     """n decode iterations of one batch, planned at once: the first is ``first``; the others
     draw their routing picks in one call, which numpy makes the same numbers, leaving the
     generator in the same state, as n - 1 single draws (tests/test_fast_forward.py checks it).
     ``keep(j)`` rewinds the generator when only the first j iterations are run."""
-
-    VECTORISE_FROM = 40  # iterations; measured: 7 points cost 6.5 us one by one, 30 us at once
 
     def __init__(
         self, model: LatencyModel, first: Plan, size: int, kv: int, n: int, sums: np.ndarray
@@ -585,13 +605,8 @@ class DecodeRun:
         self.overhead_s = model.overhead.scalar(size)
         self.router_s = model.router.scalar(size)
         self.lm_head_s = model.lm_head.scalar(size)
-        # attention_s of iteration i (from 2): the longest context is i - 1 tokens longer;
-        # point by point (memoised) costs less than the vectorised form for short runs
-        if n <= self.VECTORISE_FROM:
-            curve = model.attn_decode
-            self.attention_s = np.array([curve(size, kv + i) for i in range(1, n)])
-        else:
-            self.attention_s = model.attn_decode.within(size, kv + np.arange(1, n))
+        # attention_s of iteration i (from 2): the longest context is i - 1 tokens longer
+        self.attention_s = model.decode_attention_s(size, kv + 1, n - 1)
         layers = first.num_layers * (self.attention_s + self.router_s) + sums[self.picks]
         rest = self.overhead_s + layers + self.lm_head_s  # Plan.total_s, in its order
         self.totals_s = np.concatenate([[first.total_s], rest])
