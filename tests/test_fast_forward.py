@@ -223,3 +223,50 @@ def test_a_runs_attention_from_blocks_is_the_attention_of_each_iteration():
                       (end - 10, 11), (end, 1)):  # fmt: skip
             expected = [model.attn_decode(size, k) for k in range(kv, kv + n)]
             assert model.decode_attention_s(size, kv, n).tolist() == expected, (size, kv, n)
+
+
+class DirectPicks(RoutingModel):
+    """The picks drawn one call at a time when needed, and a run's picks given back by
+    rewinding the generator (as before picks were drawn ahead): the reference."""
+
+    def pick(self) -> int:
+        return int(self.rng.integers(self.pool_size))
+
+    def picks(self, k: int) -> np.ndarray:
+        self._before, self._taken = self.rng.bit_generator.state, k
+        return self.rng.integers(self.pool_size, size=k)
+
+    def unpick(self, k: int) -> None:
+        self.rng.bit_generator.state = self._before
+        if self._taken - k:
+            self.rng.integers(self.pool_size, size=self._taken - k)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_picks_drawn_ahead_are_the_picks_drawn_when_needed(seed):
+    """``RoutingModel`` draws its pool picks ``PICK_BLOCK`` at a time: single picks, a run's
+    picks (some given back), prefill sums, pools built and fresh draws in between (which use
+    the generator otherwise) see the numbers of drawing each pick when it is needed."""
+    ahead, direct = (cls(32, 8, 2, seed=seed, pool_size=16) for cls in (RoutingModel, DirectPicks))
+    ops = np.random.default_rng(100 + seed)
+    for step in range(400):
+        op = int(ops.integers(5))
+        if op == 0:
+            assert ahead.pick() == direct.pick(), step
+        elif op == 1:  # a fast-forwarded run: k picks, the last m of them not run
+            k = int(ops.integers(1, 3 * RoutingModel.PICK_BLOCK // 2))
+            m = int(ops.integers(0, k + 1))
+            assert ahead.picks(k).tolist() == direct.picks(k).tolist(), step
+            ahead.unpick(m)
+            direct.unpick(m)
+        elif op == 2:  # a prefill of more tokens than a pool holds
+            tokens = int(ops.integers(65, 700))
+            assert (ahead.summed(tokens) == direct.summed(tokens)).all(), step
+        elif op == 3:  # a pool built (nested pools: the next token count up)
+            n = len(direct._pools) + 1
+            if n <= RoutingModel.POOLED_MAX_TOKENS:
+                assert (ahead.pool(n) == direct.pool(n)).all(), step
+        else:
+            assert (ahead.draw(3) == direct.draw(3)).all(), step
+    ahead._sync()
+    assert ahead.rng.bit_generator.state == direct.rng.bit_generator.state
