@@ -11,10 +11,13 @@ Fast-forward (``fast_forward=True``, the default): when the scheduler can tell t
 iterations repeat the decode batch just selected (``Scheduler.decode_run``: nothing arrives,
 nothing finishes before the n-th, the policy's choice does not change), they run as one timeout
 to the end of the n-th; the latency model plans them at once (``LatencyModel.decode_run``, the
-same routing draws in the same order). An arrival cuts the run: the iterations it completed are
-applied in bulk (``Scheduler.advance_decodes``) and the one in progress continues as any
-iteration does, preemptible. Events then grow with arrivals and completions, and every
-per-request result equals the iteration-by-iteration path's (tests/test_fast_forward.py).
+same routing draws in the same order). An arrival cuts the run when the policy would preempt
+the batch or select otherwise before the run's end (``Policy.decode_run_on_arrival``; on an
+overloaded replica most arrivals only join a queue that the run does not reach): the
+iterations it completed are applied in bulk (``Scheduler.advance_decodes``) and the one in
+progress continues as any iteration does, preemptible. Events then grow with completions and
+the arrivals that change a decision, and every per-request result equals the
+iteration-by-iteration path's (tests/test_fast_forward.py).
 """
 
 from __future__ import annotations
