@@ -14,7 +14,9 @@ spread (min-max). CPU time is what one core does when the machine is shared.
 to ``--cluster-rate``, on ``--replicas`` replicas (least_outstanding), with its CPU and wall
 time and peak memory (RSS); ``--cluster-only`` runs just that. The cluster run streams its
 requests and keeps only columnar records of the finished ones, as ``qllm-sim`` does; a
-progress bar goes to stderr.
+progress bar goes to stderr. A last line each says where issue 13's goals stand: simulated
+requests per CPU second (fast-forward on) as a share of 50,000; the loop's wall time for 1 M
+requests on the replicas (60 s), extrapolated linearly from this run's when it has fewer.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ VARIANTS = {  # name -> (policy file, overrides)
 
 
 TRACE_SETUP = ["workload=trace", "profile=h200-mixtral-bf16"]
+# issue 13's goals: simulated requests per CPU second on the trace at its own rate, fast-forward
+# on; and the loop time of 1 M requests on 16 replicas
+GOAL_REQUESTS_PER_CPU_S = 50_000
+GOAL_MILLION_S = 60.0
 
 
 def run_loop(cfg, requests, progress: bool = False) -> tuple[float, float, int]:
@@ -78,6 +84,7 @@ def trace_speed(args) -> None:
         rows = sum(1 for _ in f) - 1  # the header
     base = [*TRACE_SETUP, f"workload.path={args.trace}"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        reached = {}
         for policy in [] if args.cluster_only else args.policies:
             cfg = compose("config", overrides=[*base, f"policy={policy}",
                                                f"workload.num_requests={rows}"])  # fmt: skip
@@ -95,6 +102,11 @@ def trace_speed(args) -> None:
                       f"requests_per_s={statistics.median(wall):.1f} "
                       f"spread={wall[0]:.1f}-{wall[-1]:.1f} "
                       f"events_per_request={runs[0][2] / n:.2f}", flush=True)  # fmt: skip
+                if fast_forward:
+                    reached[policy] = statistics.median(cpu)
+        if reached:
+            print(f"goal_requests_per_cpu_s={GOAL_REQUESTS_PER_CPU_S} " + " ".join(
+                f"{p}={r / GOAL_REQUESTS_PER_CPU_S:.0%}" for p, r in reached.items()))  # fmt: skip
         if args.cluster_requests:
             cfg = compose("config", overrides=[
                 *base, f"policy={args.policies[0]}", f"workload.rate={args.cluster_rate}",
@@ -112,6 +124,10 @@ def trace_speed(args) -> None:
                   f"rate={args.cluster_rate} policy={args.policies[0]} "
                   f"workload_cpu_s={built_s:.1f} loop_cpu_s={cpu_s:.1f} "
                   f"loop_wall_s={wall_s:.1f} peak_rss_mb={rss_mb:.0f}")  # fmt: skip
+            million_s = wall_s * 1e6 / len(requests)
+            print(f"goal_million_requests_s={GOAL_MILLION_S:.0f} replicas={args.replicas} "
+                  f"million_requests_s={million_s:.0f} "
+                  f"extrapolated={str(len(requests) != 1_000_000).lower()}")  # fmt: skip
 
 
 def main() -> None:

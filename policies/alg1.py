@@ -181,6 +181,29 @@ class Algorithm1(Policy):
         starvation guard is on (it reads the clock)."""
         return math.inf if self.be_max_wait_s is None else 1
 
+    def decode_run_on_arrival(self, s: Scheduler, batch: Batch, seq: Sequence) -> float:
+        """Only steps 2 and 6 read the prefill queues, and each admits in queue order: an
+        arrival changes the selection only if it would be admitted there (a prompt queued
+        before it was not, so then it is not either). Step 1 comes before both, and step 4
+        before step 6 when the batch holds LS jobs."""
+        size, budget = self.max_batch_size, self.max_batch_prefill_tokens
+        ls = sum(q.is_ls for q in batch.sequences)  # the LS-decode queue after this iteration
+        if ls >= size:
+            return math.inf
+        slots = self.max_in_flight - self.in_flight(s)
+        if seq.is_ls:
+            queue = s.waiting[LS]
+            if self.evict_be_for_ls and queue[0] is seq:  # a new head may evict BE work
+                return 1
+            room = min(size, slots)
+        else:
+            if ls or not self.refill_be:  # step 6 is not reached, or skipped (BE decodes wait)
+                return math.inf
+            queue, room = s.waiting[BE], min(size - batch.size, slots)
+        if room > 0 and s.take_prefill(queue, room, budget, dry_run=True):
+            return 1
+        return math.inf
+
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
         if self.promoted:  # a promotion lasts until the sequence's next token
             self.promoted.difference_update(q.id for q in batch.sequences)

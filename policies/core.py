@@ -83,7 +83,8 @@ class Sequence:
     token_gaps_s: array = field(default_factory=lambda: array("f"))
 
     def record_token(self, now: float) -> None:
-        """Note that a token was produced at ``now`` (called once per token, by the scheduler)."""
+        """Note that a token was produced at ``now`` (``Scheduler.complete_iteration`` does it
+        inline: it runs once per token)."""
         if self.last_token_s is not None:
             self.token_gaps_s.append(now - self.last_token_s)
         self.last_token_s = now
@@ -162,7 +163,8 @@ class Batch:
             raise ValueError("a batch needs at least one sequence")
         if self.phase is Phase.MIXED:
             return
-        wrong = [s.id for s in self.sequences if s.phase is not self.phase]
+        decode = self.phase is Phase.DECODE  # Sequence.phase, inlined: once per token
+        wrong = [s.id for s in self.sequences if (s.generated == 0 or s.evicted) is decode]
         if wrong:
             raise ValueError(f"sequences {wrong} are not in phase {self.phase.value}")
 
@@ -172,6 +174,8 @@ class Batch:
 
     @property
     def new_tokens(self) -> int:
+        if self.phase is Phase.DECODE:  # one token each (the phase was checked on creation)
+            return len(self.sequences)
         return sum(s.new_tokens for s in self.sequences)
 
     @property

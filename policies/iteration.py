@@ -82,7 +82,7 @@ class IterationFCFS(Policy):
             min_size = 1
         else:
             min_size = max(1, math.floor(len(running) * self.waiting_served_ratio))
-        budget = self.max_batch_total_tokens - sum(q.reserved_tokens for q in running)
+        budget = self._budget(running)
         args = (room, self.max_batch_prefill_tokens)
         admitted = s.take_prefill(s.waiting_fifo(), *args, dry_run=True, max_reserved_tokens=budget)
         if not running and not admitted:
@@ -97,6 +97,14 @@ class IterationFCFS(Policy):
             return None
         return prefill_batch(s.take_prefill(s.waiting_fifo(), *args, max_reserved_tokens=budget))
 
+    def _budget(self, running: list) -> float:
+        """KV tokens the joining requests may reserve: what ``max_batch_total_tokens`` leaves
+        to the running batch's reservations (not summed when there is no cap: asked at every
+        arrival during a run)."""
+        if self.max_batch_total_tokens == math.inf:
+            return math.inf
+        return self.max_batch_total_tokens - sum(q.reserved_tokens for q in running)
+
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
         self.waiting_tokens = 1 if batch.phase is Phase.PREFILL else self.waiting_tokens + 1
 
@@ -106,7 +114,7 @@ class IterationFCFS(Policy):
         room = self.max_batch_size - batch.size
         if room <= 0 or not (s.waiting["LS"] or s.waiting["BE"]):
             return math.inf
-        budget = self.max_batch_total_tokens - sum(q.reserved_tokens for q in batch.sequences)
+        budget = self._budget(batch.sequences)
         admitted = s.take_prefill(s.waiting_fifo(), room, self.max_batch_prefill_tokens,
                                   dry_run=True, max_reserved_tokens=budget)  # fmt: skip
         if not admitted:
@@ -115,6 +123,11 @@ class IterationFCFS(Policy):
             return 1  # the next select joins
         # after i decodes waiting_tokens is i higher; the select that sees max_waiting_tokens joins
         return max(1, self.max_waiting_tokens - self.waiting_tokens)
+
+    def decode_run_on_arrival(self, s: Scheduler, batch: Batch, seq) -> float:
+        """``decode_run`` reads the waiting queue as it is, and the counter as it was when the
+        run began (``on_decodes`` has not yet applied the run)."""
+        return self.decode_run(s, batch)
 
     def on_decodes(self, s: Scheduler, batch: Batch, ends_s) -> None:
         self.waiting_tokens += len(ends_s)

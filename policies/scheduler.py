@@ -110,6 +110,15 @@ class Policy:
         does, so a policy must say what its choice depends on to be fast-forwarded."""
         return 1
 
+    def decode_run_on_arrival(self, s: Scheduler, batch: Batch, seq: Sequence) -> float:
+        """``seq`` arrived (it is in its waiting queue) while a fast-forwarded run of ``batch``
+        was in progress: ``decode_run`` as if it had been waiting when the run's first
+        iteration was selected (the policy's own state is still that of that moment, and the
+        queues are, but for ``seq``). The run goes on when this is at least its length, so a
+        policy that says so avoids a cut per arrival on an overloaded replica; 1 (the default)
+        cuts the run at every arrival. Preemption inside an iteration is asked separately."""
+        return 1
+
     def on_decodes(self, s: Scheduler, batch: Batch, ends_s: np.ndarray) -> None:
         """What ``on_complete`` does after each of ``len(ends_s)`` decode iterations of
         ``batch`` that finish no sequence (``Scheduler.advance_decodes``)."""
@@ -260,7 +269,10 @@ class Scheduler:
                     continue
             seq.prefilled_tokens = 0
             seq.generated += 1
-            seq.record_token(now)
+            last = seq.last_token_s  # seq.record_token(now), inlined
+            if last is not None:
+                seq.token_gaps_s.append(now - last)
+            seq.last_token_s = now
             seq.evicted = False
             if seq.first_token_s is None:
                 seq.first_token_s = now
@@ -293,6 +305,11 @@ class Scheduler:
             return 1
         left = min(q.request.output_tokens - q.generated for q in batch.sequences)
         return int(min(left, self.policy.decode_run(self, batch))) if left > 1 else 1
+
+    def decode_run_on_arrival(self, seq: Sequence) -> float:
+        """While a fast-forwarded run of the running batch is in progress, ``seq`` arrived:
+        for how many iterations from the run's first the policy still selects the batch."""
+        return self.policy.decode_run_on_arrival(self, self.running, seq)
 
     def advance_decodes(self, batch: Batch, ends_s: np.ndarray) -> None:
         """Apply ``len(ends_s)`` decode iterations of the running batch, ending at ``ends_s``,

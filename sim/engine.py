@@ -11,10 +11,13 @@ Fast-forward (``fast_forward=True``, the default): when the scheduler can tell t
 iterations repeat the decode batch just selected (``Scheduler.decode_run``: nothing arrives,
 nothing finishes before the n-th, the policy's choice does not change), they run as one timeout
 to the end of the n-th; the latency model plans them at once (``LatencyModel.decode_run``, the
-same routing draws in the same order). An arrival cuts the run: the iterations it completed are
-applied in bulk (``Scheduler.advance_decodes``) and the one in progress continues as any
-iteration does, preemptible. Events then grow with arrivals and completions, and every
-per-request result equals the iteration-by-iteration path's (tests/test_fast_forward.py).
+same routing draws in the same order). An arrival cuts the run when the policy would preempt
+the batch or select otherwise before the run's end (``Policy.decode_run_on_arrival``; on an
+overloaded replica most arrivals only join a queue that the run does not reach): the
+iterations it completed are applied in bulk (``Scheduler.advance_decodes``) and the one in
+progress continues as any iteration does, preemptible. Events then grow with completions and
+the arrivals that change a decision, and every per-request result equals the
+iteration-by-iteration path's (tests/test_fast_forward.py).
 """
 
 from __future__ import annotations
@@ -107,7 +110,8 @@ class Simulation:
         # (idle time, busy time since) while a wake-up is being charged (None: spent)
         self._wake: tuple[float, float] | None = None
         self._interruptible = False
-        self._in_run = False  # in a fast-forwarded run of decode iterations: any arrival cuts it
+        self._in_run = False  # in a fast-forwarded run of decode iterations
+        self._run_iterations = 0  # its length
         self._arrivals_done = False
         # the sequences (ids, in order) of the last decode steps, whose padded KV is bound
         self._bound: tuple[int, ...] | None = None
@@ -126,7 +130,7 @@ class Simulation:
             self.sequences.append(seq)
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
-        elif self._in_run:
+        elif self._in_run and self._cuts_run(seq):
             self._in_run = False
             self._executor.interrupt()
             self.events += 1
@@ -134,6 +138,14 @@ class Simulation:
             self._interruptible = False
             self._executor.interrupt()
             self.events += 1
+
+    def _cuts_run(self, seq: Seq) -> bool:
+        """Whether an arrival during a fast-forwarded run changes what the run assumed: the
+        policy preempts the batch, or would select otherwise before the run's end."""
+        sched = self.sched
+        if sched.preemptible and sched.should_preempt():
+            return True
+        return sched.decode_run_on_arrival(seq) < self._run_iterations
 
     def close_arrivals(self) -> None:
         """No request will arrive any more: an idle executor may finish."""
@@ -247,7 +259,7 @@ class Simulation:
         env, sched = self.env, self.sched
         # sequential sums: each end is the float env.now reaches iteration by iteration
         ends = np.concatenate(([env.now], run.totals_s)).cumsum()
-        self._in_run = True
+        self._in_run, self._run_iterations = True, len(run.totals_s)
         try:
             yield from self._until(float(ends[-1]))
             self._in_run = False

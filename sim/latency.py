@@ -183,11 +183,18 @@ class RoutingModel:
     so for small token counts (decode batches) the model keeps ``pool_size`` samples per token
     count (``pool``) and picks one of them at random for each iteration (a bootstrap of the
     same distribution); larger token counts (prefills) sum samples of the pools (``summed``).
+
+    Those picks of a pool sample are drawn ahead, ``PICK_BLOCK`` at a time (``picks``): numpy
+    draws the same numbers in one call as in single calls, so the picks are those of drawing
+    each when it is needed; before any other draw, the generator is put back where the picks
+    taken so far leave it (``_sync``). A fast-forwarded run takes its iterations' picks at once
+    and gives back those of the iterations it did not run (``unpick``).
     """
 
     POOLED_MAX_TOKENS = 64
     MAX_TUPLES = 5040  # 10 experts top-4, or 71 experts top-2
     FIT_ITERATIONS = 200
+    PICK_BLOCK = 256
 
     def __init__(
         self,
@@ -220,6 +227,10 @@ class RoutingModel:
             raise ValueError(f"every layer needs at least top_k={top_k} experts with load > 0")
         self.subset_p: np.ndarray | None = None  # (num_layers, C(E, k)), the exact path
         self._pools: list[np.ndarray] = []
+        self._picks: list[int] = []  # picks drawn ahead; those from _next on are not taken
+        self._picks_array = np.empty(0, dtype=np.int64)
+        self._next = 0
+        self._picks_state: dict | None = None  # the generator's state before they were drawn
         if math.perm(num_experts, top_k) <= self.MAX_TUPLES:
             subsets = list(itertools.combinations(range(num_experts), top_k))
             self.incidence = np.zeros((len(subsets), num_experts), dtype=np.int64)
@@ -274,6 +285,7 @@ class RoutingModel:
     def draw(self, num_tokens: int, size: int | None = None) -> np.ndarray:
         """Fresh counts: shape (num_layers, num_experts), or (size, num_layers, num_experts).
         Every layer's counts sum to num_tokens * top_k, each at most num_tokens."""
+        self._sync()
         if self.subset_p is not None:
             shape = self.subset_p.shape if size is None else (size, *self.subset_p.shape)
             picks = self.rng.multinomial(num_tokens, np.broadcast_to(self.subset_p, shape))
@@ -302,6 +314,7 @@ class RoutingModel:
 
     def _one_token(self) -> np.ndarray:
         """One token's picks in every layer of every pool sample (inverse CDF over subsets)."""
+        self._sync()
         if self.subset_p is None:
             return self.draw(1, size=self.pool_size)
         layers, subsets = self.subset_p.shape
@@ -310,7 +323,41 @@ class RoutingModel:
         return self.incidence[np.minimum(index, subsets - 1)]
 
     def pick(self) -> int:
-        return int(self.rng.integers(self.pool_size))
+        """A pool sample, at random: ``int(rng.integers(pool_size))``."""
+        if self._next == len(self._picks):
+            self._draw_picks(1)
+        self._next += 1
+        return self._picks[self._next - 1]
+
+    def picks(self, k: int) -> np.ndarray:
+        """The next k picks: ``rng.integers(pool_size, size=k)``."""
+        if self._next + k > len(self._picks):
+            self._draw_picks(k)
+        start = self._next
+        self._next += k
+        return self._picks_array[start : self._next]
+
+    def unpick(self, k: int) -> None:
+        """Give back the last k picks taken (nothing was drawn since): the next takes them."""
+        self._next -= k
+
+    def _draw_picks(self, k: int) -> None:
+        self._sync()
+        self._picks_state = self.rng.bit_generator.state
+        self._picks_array = self.rng.integers(self.pool_size, size=max(k, self.PICK_BLOCK))
+        self._picks = self._picks_array.tolist()
+        self._next = 0
+
+    def _sync(self) -> None:
+        """Put the generator where drawing only the picks taken so far would have left it."""
+        if self._picks_state is None:
+            return
+        if self._next < len(self._picks):
+            self.rng.bit_generator.state = self._picks_state
+            if self._next:
+                self.rng.integers(self.pool_size, size=self._next)
+        self._picks, self._picks_array, self._next = [], self._picks_array[:0], 0
+        self._picks_state = None
 
     def summed(self, num_tokens: int) -> np.ndarray:
         """Counts for more tokens than the largest pool: tokens route independently, so the
@@ -320,7 +367,7 @@ class RoutingModel:
         if self.pool_size == 0:
             return self.draw(num_tokens)
         q, r = divmod(num_tokens, self.POOLED_MAX_TOKENS)
-        picks = self.rng.integers(self.pool_size, size=q)
+        picks = self.picks(q)
         counts = self.pool(self.POOLED_MAX_TOKENS)[picks].sum(axis=0)
         return counts + self.pool(r)[self.pick()] if r else counts
 
@@ -463,6 +510,8 @@ class LatencyModel:
     steps bind a new padded KV buffer (the executor knows: a decode batch other than the last
     one), whose attention costs the profile's ``attn_decode_bind`` (absent: ``attn_decode``)."""
 
+    EXPERT_TABLE_MAX_TOKENS = 65536  # _expert_times' table: 512 KB at most
+
     def __init__(
         self,
         profile: Profile,
@@ -480,6 +529,10 @@ class LatencyModel:
         self.expert = Curve1D(profile.op_points("expert"), "num_tokens")
         # an expert stage with no token: the profile's expert point at 0 tokens, if any
         self.expert_idle_s = self.expert.ys[0] if self.expert.xs[0] == 0 else 0.0
+        # _expert_times at 0 .. the grid's last count (interpolated, never extrapolated)
+        grid = np.arange(min(int(self.expert.xs[-1]), self.EXPERT_TABLE_MAX_TOKENS) + 1)
+        self._expert_table = np.where(grid > 0, np.interp(grid, self.expert.x, self.expert.y),
+                                      self.expert_idle_s)  # fmt: skip
         self.lm_head = Curve1D(profile.op_points("lm_head"), "batch_size")
         self.overhead = Curve1D(profile.op_points("step_overhead"), "batch_size")
         self.prefill_attention = prefill_attention or profile.prefill_attention
@@ -505,6 +558,7 @@ class LatencyModel:
         mem = profile.memory
         self.swap_s_per_token = mem.kv_bytes_per_token / mem.swap_bytes_per_s
         self._pool_sums: dict[int, np.ndarray] = {}  # each pool sample's float(times.sum())
+        self._attention_blocks: dict[tuple[int, int], np.ndarray] = {}  # decode_attention_s
 
     def curves(self) -> list[Curve1D | Curve2D]:
         curves = [self.attn_prefill, self.attn_decode, self.attn_decode_bind, self.router]
@@ -558,6 +612,12 @@ class LatencyModel:
         return self.attn_prefill.scalar(chunk_tokens)
 
     def _expert_times(self, counts: np.ndarray) -> np.ndarray:
+        """Each expert's stage time at its token count: looked up in a table of the grid's
+        integers (the same floats: ``np.interp`` at the same points) when every count lies
+        on the grid, which spares a prefill the interpolation of all its experts."""
+        table = self._expert_table
+        if counts.max() < len(table):
+            return table[counts]
         return np.where(counts > 0, self.expert(counts), self.expert_idle_s)
 
     def experts(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -602,45 +662,52 @@ class LatencyModel:
             self._pool_sums[size] = sums
         return DecodeRun(self, batch.plan, size, kv, n, sums)
 
+    ATTENTION_BLOCK_TOKENS = 1024
+
+    def decode_attention_s(self, size: int, kv: int, n: int) -> np.ndarray:
+        """``attn_decode`` at (size, kv), (size, kv + 1), ... n points within the grid: slices
+        of blocks of contexts computed once each by ``Curve2D.within`` (the same floats), so
+        that a run costs a few numpy calls, not a Python loop over its iterations."""
+        block = self.ATTENTION_BLOCK_TOKENS
+        first, last = kv // block, (kv + n - 1) // block
+        parts = [self._attention_block(size, b) for b in range(first, last + 1)]
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        start = kv - first * block
+        return rows[start : start + n]
+
+    def _attention_block(self, size: int, b: int) -> np.ndarray:
+        rows = self._attention_blocks.get((size, b))
+        if rows is None:
+            block = self.ATTENTION_BLOCK_TOKENS
+            keys = np.arange(b * block, min((b + 1) * block, self._decode_grid_kv + 1))
+            rows = self._attention_blocks[(size, b)] = self.attn_decode.within(size, keys)
+        return rows
+
 
 class DecodeRun:
     """n decode iterations of one batch, planned at once: the first is ``first``; the others
-    draw their routing picks in one call, which numpy makes the same numbers, leaving the
-    generator in the same state, as n - 1 single draws (tests/test_fast_forward.py checks it).
-    ``keep(j)`` rewinds the generator when only the first j iterations are run."""
-
-    VECTORISE_FROM = 40  # iterations; measured: 7 points cost 6.5 us one by one, 30 us at once
+    take their routing picks at once (``RoutingModel.picks``: the numbers of n - 1 single
+    draws). ``keep(j)`` gives back the picks of the iterations after the j-th."""
 
     def __init__(
         self, model: LatencyModel, first: Plan, size: int, kv: int, n: int, sums: np.ndarray
     ) -> None:
         self.model, self.size = model, size
-        rng = model.routing.rng
-        self._state = rng.bit_generator.state
-        self.picks = rng.integers(model.routing.pool_size, size=n - 1)
+        self.picks = model.routing.picks(n - 1)
         # the later iterations' stage times as ``plan`` computes them (not copied from the
         # first plan, which may carry a cost of its own, such as one of starting a batch)
         self.overhead_s = model.overhead.scalar(size)
         self.router_s = model.router.scalar(size)
         self.lm_head_s = model.lm_head.scalar(size)
-        # attention_s of iteration i (from 2): the longest context is i - 1 tokens longer;
-        # point by point (memoised) costs less than the vectorised form for short runs
-        if n <= self.VECTORISE_FROM:
-            curve = model.attn_decode
-            self.attention_s = np.array([curve(size, kv + i) for i in range(1, n)])
-        else:
-            self.attention_s = model.attn_decode.within(size, kv + np.arange(1, n))
+        # attention_s of iteration i (from 2): the longest context is i - 1 tokens longer
+        self.attention_s = model.decode_attention_s(size, kv + 1, n - 1)
         layers = first.num_layers * (self.attention_s + self.router_s) + sums[self.picks]
         rest = self.overhead_s + layers + self.lm_head_s  # Plan.total_s, in its order
         self.totals_s = np.concatenate([[first.total_s], rest])
 
     def keep(self, j: int) -> None:
-        """Only iterations 1..j run: the generator as if j - 1 picks had been drawn."""
-        if j < len(self.totals_s):
-            rng = self.model.routing.rng
-            rng.bit_generator.state = self._state
-            if j > 1:
-                rng.integers(self.model.routing.pool_size, size=j - 1)
+        """Only iterations 1..j run: as if j - 1 picks had been drawn."""
+        self.model.routing.unpick(len(self.totals_s) - j)
 
     def plan(self, i: int) -> Plan:
         """Iteration i's plan (i >= 2), as ``LatencyModel.plan`` would have made it."""

@@ -221,7 +221,8 @@ class Records:
         self.finish_s.append(s.finish_s if finished else math.nan)
         # a finished request of one token has no gap between tokens: no ITL
         two = finished and r.output_tokens > 1
-        self.itl_max_s.append(float(max(s.token_gaps_s)) if two else math.nan)
+        gaps = np.frombuffer(s.token_gaps_s, dtype=np.float32)  # max(): one float32 of them
+        self.itl_max_s.append(float(gaps.max()) if two else math.nan)
         self.preemptions.append(s.preemptions)
         self.recomputes.append(s.recomputes)
         self.swaps.append(s.swaps)

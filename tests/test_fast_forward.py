@@ -18,7 +18,9 @@ from conftest import linear_profile
 from hydra import compose, initialize_config_dir
 
 from policies import Request, Scheduler
+from policies.alg1 import Algorithm1
 from policies.iteration import IterationFCFS
+from policies.scheduler import Policy
 from profiler.schema import OpPoint
 from sim import profiles
 from sim.app import CONF_DIR
@@ -193,3 +195,78 @@ def test_a_lone_request_decodes_in_one_event():
             finishes.append(result.sequences[0].finish_s)
             assert result.events == (2 if fast_forward else 300)
         assert finishes[0] == finishes[1]
+
+
+@pytest.mark.parametrize("policy", ["iteration", "qllm"])
+def test_a_run_goes_on_through_arrivals_that_cannot_change_the_selection(policy, monkeypatch):
+    """On the overloaded trace most arrivals only join a queue that is not served before the
+    run's end (``Policy.decode_run_on_arrival``): runs go on through them, with the results of
+    stepping, in fewer events than when every arrival cuts the run (the default answer)."""
+    overrides = [*POLICIES[policy], *WORKLOADS["conv"], "profile=h200-mixtral-bf16"]
+    ff, ref = run(overrides, True), run(overrides, False)
+    assert_same(ff, ref)
+    for klass in (IterationFCFS, Algorithm1):
+        monkeypatch.setattr(klass, "decode_run_on_arrival", Policy.decode_run_on_arrival)
+    cut = run(overrides, True)
+    assert_same(cut, ref)
+    assert ff.result.events < 0.9 * cut.result.events, (ff.result.events, cut.result.events)
+
+
+def test_a_runs_attention_from_blocks_is_the_attention_of_each_iteration():
+    """``LatencyModel.decode_attention_s`` slices cached blocks of contexts: the floats of
+    ``attn_decode`` point by point, across block boundaries and up to the grid's end."""
+    model = LatencyModel(profiles.load("h200-mixtral-bf16", None))
+    block, end = model.ATTENTION_BLOCK_TOKENS, model._decode_grid_kv
+    for size in (1, 3, 32, 300):
+        model.attn_decode(size, 0)  # as the run's first plan does
+        for kv, n in ((0, 1), (5, 40), (block - 3, 7), (2 * block - 1, 2 * block + 5),
+                      (end - 10, 11), (end, 1)):  # fmt: skip
+            expected = [model.attn_decode(size, k) for k in range(kv, kv + n)]
+            assert model.decode_attention_s(size, kv, n).tolist() == expected, (size, kv, n)
+
+
+class DirectPicks(RoutingModel):
+    """The picks drawn one call at a time when needed, and a run's picks given back by
+    rewinding the generator (as before picks were drawn ahead): the reference."""
+
+    def pick(self) -> int:
+        return int(self.rng.integers(self.pool_size))
+
+    def picks(self, k: int) -> np.ndarray:
+        self._before, self._taken = self.rng.bit_generator.state, k
+        return self.rng.integers(self.pool_size, size=k)
+
+    def unpick(self, k: int) -> None:
+        self.rng.bit_generator.state = self._before
+        if self._taken - k:
+            self.rng.integers(self.pool_size, size=self._taken - k)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_picks_drawn_ahead_are_the_picks_drawn_when_needed(seed):
+    """``RoutingModel`` draws its pool picks ``PICK_BLOCK`` at a time: single picks, a run's
+    picks (some given back), prefill sums, pools built and fresh draws in between (which use
+    the generator otherwise) see the numbers of drawing each pick when it is needed."""
+    ahead, direct = (cls(32, 8, 2, seed=seed, pool_size=16) for cls in (RoutingModel, DirectPicks))
+    ops = np.random.default_rng(100 + seed)
+    for step in range(400):
+        op = int(ops.integers(5))
+        if op == 0:
+            assert ahead.pick() == direct.pick(), step
+        elif op == 1:  # a fast-forwarded run: k picks, the last m of them not run
+            k = int(ops.integers(1, 3 * RoutingModel.PICK_BLOCK // 2))
+            m = int(ops.integers(0, k + 1))
+            assert ahead.picks(k).tolist() == direct.picks(k).tolist(), step
+            ahead.unpick(m)
+            direct.unpick(m)
+        elif op == 2:  # a prefill of more tokens than a pool holds
+            tokens = int(ops.integers(65, 700))
+            assert (ahead.summed(tokens) == direct.summed(tokens)).all(), step
+        elif op == 3:  # a pool built (nested pools: the next token count up)
+            n = len(direct._pools) + 1
+            if n <= RoutingModel.POOLED_MAX_TOKENS:
+                assert (ahead.pool(n) == direct.pool(n)).all(), step
+        else:
+            assert (ahead.draw(3) == direct.draw(3)).all(), step
+    ahead._sync()
+    assert ahead.rng.bit_generator.state == direct.rng.bit_generator.state
