@@ -28,16 +28,17 @@ than inside an iteration, where the rest of the model streamed through the cache
   attention stages are filed (router and experts see n tokens, as in a prefill of n).
   ``attn_chunk(n, 0)`` is ``attn_prefill(n)``'s samples: a chunk over no prefix is a prefill;
 - ``wake_up(idle_ms, busy_ms)``: for each idle time of ``wake.idle_ms``, ``wake.repeats``
-  times: ``WAKE_STEPS`` decode steps of one sequence back to back, each timed (warm), then the
-  device left idle that long, then the same steps again; each step's excess over its warm
-  time is the wake-up's share in it. A point per step boundary k (0..WAKE_STEPS): busy_ms the
-  warm time of the first k steps, the value the excess of the steps after k (medians over the
-  repeats, made non-increasing in k): busy_ms = 0 holds the whole wake-up. On the profile's
-  CPU clock (on CUDA, wall clock, the device synchronised after each step, as the engine
-  reads its tokens). A CPU's cores and a GPU's clocks slow down when idle (an idle H200 drops
-  to 345 MHz): the first iterations after a gap run slower, and on this project's 2-core VM
-  the slow-down fades over about 8 decode steps of a tiny model (15-20 ms): charging all of it
-  to the first batch left the next ones 8-18% short.
+  times: decode steps of one sequence, as many as take ``WAKE_WINDOW_MS`` warm, back to back
+  untimed (so that the last sample's slow-down is over), then again, each timed (warm), then
+  the device left idle that long, then the same steps again; each step's excess over its warm
+  time is the wake-up's share in it. A point per step boundary k of ``WAKE_POINTS`` and the
+  last: busy_ms the warm time of the first k steps, the value the excess of the steps after k
+  (medians over the repeats, made non-increasing in k): busy_ms = 0 holds the whole wake-up.
+  On the profile's CPU clock (on CUDA, wall clock, the device synchronised after each step, as
+  the engine reads its tokens). A CPU's cores and a GPU's clocks slow down when idle (an idle
+  H200 drops to 345 MHz): the first iterations after a gap run slower, and on this project's
+  2-core VM the slow-down faded over about 8 decode steps of a tiny model (15-20 ms) on a quiet
+  day: charging all of it to the first batch left the next ones 8-18% short.
 
 Each iteration runs ``warmup`` + ``repeats`` times (the sequences rewound in between), after
 one untimed prefill and decode step at the grid's largest shapes; attention and router samples
@@ -72,9 +73,21 @@ GRID_KEYS = ("prefill_tokens", "decode_batch", "decode_kv", "expert_tokens")
 # CPU clocks: wall time, or this process's CPU time (steady on a shared machine; it equals the
 # wall time of an uncontended run only with one torch thread).
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
-# Decode steps timed per wake-up sample: the slow-down after an idle gap fades over about 8
-# steps of a tiny model on a CPU (the validation's per-iteration errors by step since a gap).
-WAKE_STEPS = 16
+# The busy time over which a wake-up is followed (the steps timed per sample: this much work,
+# within WAKE_STEPS_RANGE): on this project's 2-core VM the slow-down after an idle gap faded
+# over about 8 decode steps of a tiny model (15-20 ms) on a quiet day, and lasted longer on a
+# noisy one. Points are kept at WAKE_POINTS steps (and the last).
+WAKE_WINDOW_MS = 100.0
+WAKE_STEPS_RANGE = (4, 64)
+WAKE_POINTS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
+
+
+def wake_steps(warm_step_ms: float) -> int:
+    """Decode steps that take WAKE_WINDOW_MS warm (within WAKE_STEPS_RANGE)."""
+    low, high = WAKE_STEPS_RANGE
+    return min(max(math.ceil(WAKE_WINDOW_MS / max(warm_step_ms, 1e-9)), low), high)
+
+
 # Share of free device memory the KV cache may take (the rest: activations, allocator slack).
 KV_MEMORY_SHARE = 0.9
 
@@ -345,18 +358,22 @@ class Profiler:
             return []
         seqs = self.prompts([min(s.decode_kv)])
         self.runner.run(self.runner.begin(seqs))  # the prefill: one token left to feed
-        self._steps_s(seqs, WAKE_STEPS)  # warm
+        steps = wake_steps(1e3 * float(np.median(self._steps_s(seqs, WAKE_STEPS_RANGE[0] * 4))))
+        kept = [k for k in WAKE_POINTS if k < steps] + [steps]
         # per idle time, per repeat: (warm time of the first k steps, excess of the rest), k
-        # = 0..WAKE_STEPS, in ms
+        # = 0..steps, in ms
         runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
         for _ in range(s.wake_repeats):  # the idle times interleaved: drifts hit them alike
             for idle_ms in s.wake_idle_ms:
-                warm = self._steps_s(seqs, WAKE_STEPS)
+                # the reference: steps a whole window of work after the last wake-up's, so that
+                # none of its slow-down is left in them
+                self._steps_s(seqs, steps)
+                warm = self._steps_s(seqs, steps)
                 time.sleep(idle_ms / 1e3)
-                excess = 1e3 * (self._steps_s(seqs, WAKE_STEPS) - warm)
+                excess = 1e3 * (self._steps_s(seqs, steps) - warm)
                 busy = np.concatenate([[0.0], np.cumsum(1e3 * warm)])
                 left = np.concatenate([np.cumsum(excess[::-1])[::-1], [0.0]])
-                runs[idle_ms].append((busy, left))
+                runs[idle_ms].append((busy[kept], left[kept]))
         points = [OpPoint("wake_up", idle_ms=0)]
         for idle_ms, samples in sorted(runs.items()):
             busy = np.median([b for b, _ in samples], axis=0)

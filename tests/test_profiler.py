@@ -313,11 +313,44 @@ def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypa
         assert p.op == "wake_up"
         rows[p.idle_ms].append((p.busy_ms, p.median_ms, p.p90_ms))
     assert sorted(rows) == [0, 2, 150] and rows[0] == [(0, 0, 0)]
-    steps = measure.WAKE_STEPS + 1
-    assert [b for b, _, _ in rows[150]] == pytest.approx(list(range(steps)))
-    assert [m for _, m, _ in rows[150]] == pytest.approx([50, 10] + [0] * (steps - 2), abs=1e-6)
-    assert [p for _, _, p in rows[150]] == pytest.approx([50, 10] + [0] * (steps - 2), abs=1e-6)
-    assert [m for _, m, _ in rows[2]] == pytest.approx([0] * steps, abs=1e-6)
+    # 1 ms steps: the window's 100 ms is more steps than the most (64); a point at each kept k
+    steps = measure.wake_steps(1.0)
+    assert steps == measure.WAKE_STEPS_RANGE[1] == 64
+    kept = [*measure.WAKE_POINTS, steps]
+    assert [b for b, _, _ in rows[150]] == pytest.approx(kept)
+    n = len(kept)
+    assert [m for _, m, _ in rows[150]] == pytest.approx([50, 10] + [0] * (n - 2), abs=1e-6)
+    assert [p for _, _, p in rows[150]] == pytest.approx([50, 10] + [0] * (n - 2), abs=1e-6)
+    assert [m for _, m, _ in rows[2]] == pytest.approx([0] * n, abs=1e-6)
+    assert measure.wake_steps(10.0) == 10 and measure.wake_steps(50.0) == 4
+
+
+def test_the_wake_up_reference_steps_come_after_the_last_slow_down(monkeypatch):
+    """A device that runs 1 ms steps 1 ms slower for 70 steps after 50 ms idle: longer than a
+    sample's 64 timed steps, so the warm reference must wait out the last sample's slow-down
+    (without the untimed steps first, the next sample's reference held 6 slow steps and its
+    wake-up came out 58 ms)."""
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    clock = {"now": 0.0, "last": 0.0, "slow": 0}
+    run_steps = runner.run
+
+    def run(state):
+        out = run_steps(state)
+        if clock["now"] - clock["last"] >= 0.05:
+            clock["slow"] = 70
+        clock["now"] += 0.001 + (0.001 if clock["slow"] > 0 else 0.0)
+        clock["slow"] -= 1
+        clock["last"] = clock["now"]
+        return out
+
+    monkeypatch.setattr(runner, "run", run)
+    monkeypatch.setattr(measure, "time", SimpleNamespace(sleep=lambda s: clock.update(
+        now=clock["now"] + s)))  # fmt: skip
+    settings = Settings([4], [1], [8], [1], wake_idle_ms=(100, 150), wake_repeats=3)
+    profiler = Profiler(runner, settings, torch.device("cpu"))
+    profiler.clock.clock = lambda: clock["now"]
+    whole = {p.idle_ms: p.median_ms for p in profiler.wake_points() if p.busy_ms == 0}
+    assert whole == pytest.approx({0: 0.0, 100: 64.0, 150: 64.0})
 
 
 def test_a_saved_profile_is_version_3_and_versions_1_and_2_still_load(tmp_path):

@@ -17,7 +17,7 @@ import torch
 from conftest import linear_profile
 from hydra import compose, initialize_config_dir
 
-from profiler.measure import WAKE_STEPS
+from profiler.measure import WAKE_POINTS
 from profiler.schema import OpPoint
 from realrun import validation_table
 from realrun.engine import Segment
@@ -91,8 +91,13 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, 
             assert 0 <= r["real_page_faults"] <= PAGE_FAULT_WARNING
     assert any(r["real_min"] < r["real_max"] and r["real_cv_pct"] > 0 for r in records)
     ops = pd.read_csv(out / "profile" / "ops.csv")
-    wake = ops[ops["op"] == "wake_up"]  # a point per step of WAKE_STEPS at each idle time
-    assert sorted(set(wake["idle_ms"])) == [0, 5, 40] and len(wake) == 1 + 2 * (WAKE_STEPS + 1)
+    wake = ops[ops["op"] == "wake_up"]
+    assert sorted(set(wake["idle_ms"])) == [0, 5, 40]
+    for idle_ms in (5, 40):  # what is left of the wake-up, by the work done since
+        row = wake[wake["idle_ms"] == idle_ms].sort_values("busy_ms")
+        assert row["busy_ms"].iloc[0] == 0 and row["busy_ms"].is_monotonic_increasing
+        assert row["median_ms"].is_monotonic_decreasing and row["median_ms"].iloc[-1] == 0
+        assert 3 <= len(row) <= len(WAKE_POINTS) + 1
     # every executed segment of every real run, beside its prediction
     segments = pd.read_csv(out / "iterations.csv.gz")
     assert set(segments["replay"]) == {0, 1} and set(segments["policy"]) == {"fcfs", "qllm"}
