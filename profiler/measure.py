@@ -18,7 +18,7 @@ than inside an iteration, where the rest of the model streamed through the cache
   copies every sequence's cache into the batch's padded buffer (a step of the same batch
   reuses it): the same shapes, before each step one sequence replaced by a newly prefilled
   one (``Profiler.bind``). In the tiny-mixtral profile of results/validation (one thread) such
-  a step's attention costs 1.1-1.5x a reused one at batch 1-4 and 1.7-2.4x at batch 16-32;
+  a step's attention costs 1.2-1.6x a reused one at batch 1-4 and 1.5-2.0x at batch 16-32;
   the rest of the step costs about the same;
 - every expert stage of the prefill and decode iterations gives a sample of ``expert(n)``, n
   its queue size; samples are pooled in bins around ``grid.expert_tokens`` (a point per bin:
