@@ -30,6 +30,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -144,8 +145,10 @@ def load_label(utilization: float, utilizations: list[float]) -> str:
     return "overload" if utilization == ordered[-1] else "knee"
 
 
-def records_of(policy: str, rate: float, load: str, reals: list[dict], sim: dict) -> list[dict]:
-    """Sim against the mean of the real replays, with the replays' spread."""
+def records_of(policy: str, rate: float, load: str, reals: list[dict], sim: dict,
+               drift_pct: float | None = None) -> list[dict]:  # fmt: skip
+    """Sim against the mean of the real replays, with the replays' spread (and the drift
+    probe's change since the profile, timed after them)."""
     rows = []
     counted = [f for real in reals
                if (f := real.get("executor", {}).get("page_faults")) is not None]  # fmt: skip
@@ -160,7 +163,8 @@ def records_of(policy: str, rate: float, load: str, reals: list[dict], sim: dict
         rows.append({"policy": policy, "rate": rate, "load": load, "cls": cls, "metric": metric,
                      "sim": s, "real": r, "error_pct": err, "replays": len(values),
                      "real_min": min(values), "real_max": max(values),
-                     "real_cv_pct": cv, "real_page_faults": faults})  # fmt: skip
+                     "real_cv_pct": cv, "real_page_faults": faults,
+                     "probe_drift_pct": drift_pct})  # fmt: skip
 
     for cls in CLASSES:
         if reals[0]["classes"][cls]["count"] == 0:
@@ -294,6 +298,54 @@ def _bucket_key(value: str) -> tuple[int, str]:
     return (int(digits) + (value.startswith(">")) if digits else 0, value)
 
 
+# The drift probe: decode steps of PROBE_SHAPE (sequences, cached tokens each), PROBE_STEPS timed
+# after 5 untimed, rewound after each; the median, timed after the profile and after each
+# point's runs, says how far the machine's own speed moved meanwhile.
+PROBE_SHAPE = (4, 64)
+PROBE_STEPS = 20
+# Drift of the probe (|%|) above which the validation warns: more than half the goal's 10%.
+DRIFT_WARNING_PCT = 5.0
+
+
+def make_probe(runner, clock: ClockKind, seed: int):
+    """A function timing the drift probe on the runs' clock (seconds), or None on the virtual
+    clock (which times nothing)."""
+    if clock is ClockKind.virtual:
+        return None
+    from realrun.prompts import random_ids
+
+    now = time.process_time if clock is ClockKind.cpu else time.perf_counter
+    batch, kv = PROBE_SHAPE
+    vocab = runner.config.vocab_size
+    # ids no request has (requests count from 0)
+    seqs = [runner.new_sequence(random_ids(kv, vocab, seed, 2**40 + i)) for i in range(batch)]
+    runner.run(runner.begin(seqs))  # the prefill: kv cached, a token to feed
+    marks = [(len(q.token_ids), q.num_cached) for q in seqs]
+
+    def probe() -> float:
+        times = []
+        for _ in range(5 + PROBE_STEPS):
+            t = now()
+            runner.run(runner.begin(seqs))  # returns the tokens: the device has finished
+            times.append(now() - t)
+            for q, (n, c) in zip(seqs, marks, strict=True):
+                q.truncate(n, c)
+        return statistics.median(times[5:])
+
+    return probe
+
+
+def drift_warning(records: list[dict]) -> str | None:
+    """A warning when the drift probe moved by more than DRIFT_WARNING_PCT during the runs."""
+    drifts = [d for r in records if (d := r.get("probe_drift_pct")) is not None]
+    worst = max(drifts, key=abs, default=0.0)
+    if abs(worst) <= DRIFT_WARNING_PCT:
+        return None
+    return (f"warning: the machine's own speed drifted {worst:+.1f}% during the runs (a fixed "
+            f"probe, timed after the profile and after each point): errors of that size are "
+            f"the machine's, not the model's")  # fmt: skip
+
+
 def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     """The whole comparison; needs Hydra initialized with CONF_DIR (the app or a test)."""
     check(cfg)
@@ -336,6 +388,8 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
         # the lengths (not the arrivals) are the same at every rate
         footprint = footprint_bytes(nominal, largest_batch, profile.memory.kv_bytes_per_token)
         runner.reserve(RESERVE_HEADROOM * footprint)
+    probe = make_probe(runner, ClockKind(cfg.clock), cfg.seed)
+    reference_s = probe() if probe is not None else None
     records, rows = [], []
     cases = [(u, rate, policy) for u, rate in zip(cfg.utilizations, rates, strict=True)
              for policy in cfg.policies]  # fmt: skip
@@ -354,7 +408,9 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
             rows += iteration_rows(policy, rate, replay, real.result.segments, predictor)
             bar.update()
         sim = simulate(sim_cfg, requests=requests)
-        records += records_of(policy, rate, load_label(u, cfg.utilizations), reals, sim.summary)
+        drift = None if probe is None else round(100 * (probe() / reference_s - 1), 2)
+        records += records_of(policy, rate, load_label(u, cfg.utilizations), reals, sim.summary,
+                              drift)  # fmt: skip
     bar.close()
     (out / "validation.json").write_text(json.dumps(records, indent=1) + "\n")
     errors = iteration_errors(rows)
@@ -401,9 +457,11 @@ def summary_line(records: list[dict]) -> str:
     within = sum(e <= 10 for e in errors)
     noise = max((r["real_cv_pct"] for r in records), default=0.0)
     median = statistics.median(errors)
+    drifts = [d for r in records if (d := r.get("probe_drift_pct")) is not None]
+    drift = f"; machine drift {min(drifts):+.1f}%..{max(drifts):+.1f}%" if drifts else ""
     return (
         f"per-class means: worst |error| {max(errors):.1f}%, median {median:.1f}%, "
-        f"{within} of {len(errors)} within 10%; real replays' worst cv {noise:.1f}%"
+        f"{within} of {len(errors)} within 10%; real replays' worst cv {noise:.1f}%{drift}"
     )
 
 
@@ -472,8 +530,9 @@ def main(cfg: DictConfig) -> None:
     print()
     print("per-iteration error (predicted - measured) / measured, every executed segment:")
     print(iteration_table(json.loads((out / "iteration_errors.json").read_text())))
-    if (warning := page_fault_warning(records)) is not None:
-        print(warning, file=sys.stderr)
+    for warning in (page_fault_warning(records), drift_warning(records)):
+        if warning is not None:
+            print(warning, file=sys.stderr)
     print(f"{summary_line(records)} -> {out / 'validation.json'}")
 
 

@@ -26,12 +26,14 @@ from realrun.validate import (
     PAGE_FAULT_WARNING,
     check,
     covering_grid,
+    drift_warning,
     iteration_rows,
     page_fault_warning,
     predict_segment,
     records_of,
     run_validation,
     shape_batch,
+    summary_line,
     table,
 )
 from sim.app import CONF_DIR
@@ -78,7 +80,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, 
     rates = sorted({r["rate"] for r in records})
     assert len(rates) == 2 and rates[0] < rates[1]
     keys = {"policy", "rate", "load", "cls", "metric", "sim", "real", "error_pct", "replays",
-            "real_min", "real_max", "real_cv_pct", "real_page_faults"}  # fmt: skip
+            "real_min", "real_max", "real_cv_pct", "real_page_faults",
+            "probe_drift_pct"}  # fmt: skip
     for r in records:
         assert set(r) == keys and r["cls"] in CLASSES
         assert math.isfinite(r["sim"]) and math.isfinite(r["real"]) and r["real"] > 0
@@ -87,6 +90,7 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, 
         # the real value is the mean of two replays, which differ (wall clock)
         assert r["replays"] == 2 and r["real_min"] <= r["real"] <= r["real_max"]
         assert r["load"] == ("light" if r["rate"] == rates[0] else "loaded")
+        assert math.isfinite(r["probe_drift_pct"]) and r["probe_drift_pct"] > -100
         if sys.platform == "linux":  # the timed runs mapped (almost) no memory mid-run
             assert 0 <= r["real_page_faults"] <= PAGE_FAULT_WARNING
     assert any(r["real_min"] < r["real_max"] and r["real_cv_pct"] > 0 for r in records)
@@ -201,6 +205,18 @@ def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
     assert e.value.code == 2
 
 
+def test_a_machine_that_drifted_is_warned_about():
+    summary = {"classes": {c: {"count": 0} for c in CLASSES}, "throughput": {"jobs_per_s": 1.0}}
+    steady = records_of("fcfs", 1.0, "light", [summary], summary, 2.5)
+    slowed = records_of("fcfs", 9.0, "overload", [summary], summary, -7.25)
+    assert [r["probe_drift_pct"] for r in steady + slowed] == [2.5, -7.25]
+    assert drift_warning(steady) is None
+    warning = drift_warning(steady + slowed)
+    assert warning.startswith("warning: the machine's own speed drifted -7.2% during the runs")
+    assert "\n" not in warning
+    assert drift_warning(records_of("fcfs", 1.0, "light", [summary], summary)) is None
+
+
 def test_a_run_that_page_faulted_is_warned_about():
     summary = {"classes": {c: {"count": 0} for c in CLASSES}, "throughput": {"jobs_per_s": 1.0}}
     faulted = [{**summary, "executor": {"page_faults": f}} for f in (12, 2400)]
@@ -254,3 +270,13 @@ def test_the_segments_after_an_idle_gap_share_its_wake_up_as_the_simulator_charg
     assert shares[7] == pytest.approx(shares[0]) and shares[8] == pytest.approx(shares[1])
     for r in rows:
         assert r["predicted_s"] > r["wake_s"] >= 0
+
+
+def test_the_summary_line_says_how_far_the_machine_drifted():
+    summary = {"classes": {c: {"count": 2, "ttft_s": {"mean": 1.0},
+                               "turnaround_s": {"mean": 2.0}} for c in CLASSES},
+               "throughput": {"jobs_per_s": 4.0}}  # fmt: skip
+    records = records_of("fcfs", 1.0, "light", [summary], summary, -3.5)
+    records += records_of("fcfs", 9.0, "overload", [summary], summary, 6.0)
+    assert summary_line(records).endswith("; machine drift -3.5%..+6.0%")
+    assert "drift" not in summary_line(records_of("fcfs", 1.0, "light", [summary], summary))
