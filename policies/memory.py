@@ -187,6 +187,12 @@ class PagedMemory(Memory):
             self.blocks[seq.id] = self.blocks.get(seq.id, 0) + need // self.block_size_tokens
             self.hold(need)
 
+    def add_blocks(self, seq: Sequence, blocks: int) -> None:
+        """Charge ``blocks`` more blocks to a sequence that holds some (a fast-forwarded run's
+        growth, ``Scheduler.grow_run``)."""
+        self.blocks[seq.id] += blocks
+        self.hold(blocks * self.block_size_tokens)
+
     def free(self, seq: Sequence) -> int:
         tokens = self.blocks.pop(seq.id, 0) * self.block_size_tokens
         self.release(tokens)

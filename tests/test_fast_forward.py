@@ -56,6 +56,10 @@ POLICIES = {  # name -> overrides
 }
 
 
+# the policies whose runs fast-forward under paged memory too (``Policy.decode_run_grows``)
+PAGED = ("fcfs", "priority", "vllm", "vllm-priority", "sglang")
+
+
 def run(overrides, fast_forward):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, f"fast_forward={fast_forward}"])
@@ -85,7 +89,7 @@ def test_fast_forward_gives_every_request_the_results_of_stepping(policy, worklo
     if policy in ("layer", "qllm", "qllm-router") and memory == "reserve":
         assert ref.result.preemptions > 0  # the comparison covers runs cut by a preemption
     # the fast path must really have run (where it may), or the comparison proves nothing
-    may = memory == "reserve" and policy not in ("alg1-guard", "vllm-chunked")
+    may = policy not in ("alg1-guard", "vllm-chunked") and (memory == "reserve" or policy in PAGED)
     fewer = ff.result.events < ref.result.events
     assert fewer == may, (ff.result.events, ref.result.events)
 
@@ -270,3 +274,52 @@ def test_picks_drawn_ahead_are_the_picks_drawn_when_needed(seed):
             assert (ahead.draw(3) == direct.draw(3)).all(), step
     ahead._sync()
     assert ahead.rng.bit_generator.state == direct.rng.bit_generator.state
+
+
+# a KV cache of 8,000 tokens for the conversation trace: paged policies preempt every few runs
+TIGHT = ["profile.kv_capacity_tokens=8000", "memory.model=paged", "memory.swap_space_gib=4"]
+
+
+def count_runs_cut_by_memory(monkeypatch) -> dict:
+    """Counts the runs that ``Scheduler._growth_run`` shortens (blocks would run out)."""
+    counts = {"runs": 0, "cut": 0}
+    growth_run = Scheduler._growth_run
+
+    def counted(self, batch, n):
+        m = growth_run(self, batch, n)
+        counts["runs"] += 1
+        counts["cut"] += m < n
+        return m
+
+    monkeypatch.setattr(Scheduler, "_growth_run", counted)
+    return counts
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", PAGED)
+def test_paged_runs_stop_before_blocks_run_out(policy, preemption, monkeypatch):
+    """Under paged memory a run goes on up to the iteration before the first whose new blocks
+    would not fit; stepping preempts there (by recompute or swap) and so must the fast path,
+    with the same victims, blocks and peak."""
+    overrides = [*POLICIES[policy], *WORKLOADS["conv"], "profile=h200-mixtral-bf16", *TIGHT,
+                 f"memory.preemption={preemption}"]  # fmt: skip
+    counts = count_runs_cut_by_memory(monkeypatch)
+    ff = run(overrides, True)
+    ref = run(overrides, False)
+    assert_same(ff, ref)
+    assert ff.result.events < ref.result.events / 5, (ff.result.events, ref.result.events)
+    if policy != "fcfs":  # a static batch of 32 never fills the cache
+        kind = "recomputes" if preemption == "recompute" else "swaps"
+        assert ref.requests[kind].sum() > 0
+        assert counts["cut"] > 0, counts
+
+
+@pytest.mark.parametrize("policy", ["vllm", "sglang"])
+def test_paged_runs_in_a_least_kv_cluster(policy):
+    """The least_kv router reads every replica's memory at each arrival: during a run it must
+    see the blocks stepping has allocated by then (``Simulation.sync_run``)."""
+    overrides = [*POLICIES[policy], *WORKLOADS["conv"], "profile=h200-mixtral-bf16", *TIGHT,
+                 "cluster.replicas=3", "cluster.router=least_kv"]  # fmt: skip
+    ff, ref = run(overrides, True), run(overrides, False)
+    assert_same(ff, ref)
+    assert ff.result.events < ref.result.events
