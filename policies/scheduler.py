@@ -317,7 +317,7 @@ class Scheduler:
             or self.ready[LS]
             or self.ready[BE]
             or self.prefilling
-            or (grows and (not self.policy.decode_run_grows or self._evicted or batch.swap_tokens))
+            or (grows and (not self.policy.decode_run_grows or self._evicted))
         ):
             return 1
         left = min(q.request.output_tokens - q.generated for q in batch.sequences)

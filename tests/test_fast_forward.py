@@ -19,8 +19,12 @@ from hydra import compose, initialize_config_dir
 
 from policies import Request, Scheduler
 from policies.alg1 import Algorithm1
+from policies.fcfs import FCFS
 from policies.iteration import IterationFCFS
+from policies.priority import Priority
 from policies.scheduler import Policy
+from policies.sglang import SGLang
+from policies.vllm import VLLM
 from profiler.schema import OpPoint
 from sim import profiles
 from sim.app import CONF_DIR
@@ -58,6 +62,8 @@ POLICIES = {  # name -> overrides
 
 # the policies whose runs fast-forward under paged memory too (``Policy.decode_run_grows``)
 PAGED = ("fcfs", "priority", "vllm", "vllm-priority", "sglang")
+# a KV cache of 8,000 tokens for the conversation trace: paged policies preempt every few runs
+TIGHT = ["profile.kv_capacity_tokens=8000", "memory.model=paged", "memory.swap_space_gib=4"]
 
 
 def run(overrides, fast_forward):
@@ -201,16 +207,29 @@ def test_a_lone_request_decodes_in_one_event():
         assert finishes[0] == finishes[1]
 
 
-@pytest.mark.parametrize("policy", ["iteration", "qllm"])
+ARRIVAL_HOOKS = {  # policy -> (its class, memory overrides)
+    "iteration": (IterationFCFS, []),
+    "qllm": (Algorithm1, []),
+    "fcfs": (FCFS, []),
+    "priority": (Priority, []),
+    "priority-paged": (Priority, TIGHT),
+    "vllm": (VLLM, TIGHT),
+    "vllm-priority": (VLLM, TIGHT),
+    "sglang": (SGLang, TIGHT),
+}
+
+
+@pytest.mark.parametrize("policy", list(ARRIVAL_HOOKS))
 def test_a_run_goes_on_through_arrivals_that_cannot_change_the_selection(policy, monkeypatch):
     """On the overloaded trace most arrivals only join a queue that is not served before the
     run's end (``Policy.decode_run_on_arrival``): runs go on through them, with the results of
     stepping, in fewer events than when every arrival cuts the run (the default answer)."""
-    overrides = [*POLICIES[policy], *WORKLOADS["conv"], "profile=h200-mixtral-bf16"]
+    klass, memory = ARRIVAL_HOOKS[policy]
+    overrides = [*POLICIES[policy.removesuffix("-paged")], *WORKLOADS["conv"],
+                 "profile=h200-mixtral-bf16", *memory]  # fmt: skip
     ff, ref = run(overrides, True), run(overrides, False)
     assert_same(ff, ref)
-    for klass in (IterationFCFS, Algorithm1):
-        monkeypatch.setattr(klass, "decode_run_on_arrival", Policy.decode_run_on_arrival)
+    monkeypatch.setattr(klass, "decode_run_on_arrival", Policy.decode_run_on_arrival)
     cut = run(overrides, True)
     assert_same(cut, ref)
     assert ff.result.events < 0.9 * cut.result.events, (ff.result.events, cut.result.events)
@@ -274,10 +293,6 @@ def test_picks_drawn_ahead_are_the_picks_drawn_when_needed(seed):
             assert (ahead.draw(3) == direct.draw(3)).all(), step
     ahead._sync()
     assert ahead.rng.bit_generator.state == direct.rng.bit_generator.state
-
-
-# a KV cache of 8,000 tokens for the conversation trace: paged policies preempt every few runs
-TIGHT = ["profile.kv_capacity_tokens=8000", "memory.model=paged", "memory.swap_space_gib=4"]
 
 
 def count_runs_cut_by_memory(monkeypatch) -> dict:
