@@ -338,3 +338,18 @@ def test_paged_runs_in_a_least_kv_cluster(policy):
     ff, ref = run(overrides, True), run(overrides, False)
     assert_same(ff, ref)
     assert ff.result.events < ref.result.events
+
+
+def test_an_arrival_in_a_paged_run_sees_the_blocks_allocated_by_then(monkeypatch):
+    """An arrival during a run is judged on the memory stepping has by then
+    (``Simulation.sync_run``): judged on the run's first iteration's memory (more free), the
+    head that no longer fits looks admissible and cuts the run, with the same results but more
+    events."""
+    overrides = [*POLICIES["vllm-priority"], *WORKLOADS["conv"], "profile=h200-mixtral-bf16",
+                 "memory.model=paged", "profile.kv_capacity_tokens=40000"]  # fmt: skip
+    synced, ref = run(overrides, True), run(overrides, False)
+    monkeypatch.setattr(Simulation, "sync_run", lambda self: None)
+    unsynced = run(overrides, True)
+    assert_same(synced, ref)
+    assert_same(unsynced, ref)
+    assert synced.result.events < unsynced.result.events
