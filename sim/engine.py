@@ -15,9 +15,12 @@ same routing draws in the same order). An arrival cuts the run when the policy w
 the batch or select otherwise before the run's end (``Policy.decode_run_on_arrival``; on an
 overloaded replica most arrivals only join a queue that the run does not reach): the
 iterations it completed are applied in bulk (``Scheduler.advance_decodes``) and the one in
-progress continues as any iteration does, preemptible. Events then grow with completions and
-the arrivals that change a decision, and every per-request result equals the
-iteration-by-iteration path's (tests/test_fast_forward.py).
+progress continues as any iteration does, preemptible. Under paged memory a run also ends
+before the first iteration whose new KV blocks would not fit (stepping preempts there); its
+blocks are charged as stepping charges them, at each iteration's selection, when anyone reads
+memory during the run (an arrival, a router: ``sync_run``), else in bulk at its end. Events
+then grow with completions and the arrivals that change a decision, and every per-request
+result equals the iteration-by-iteration path's (tests/test_fast_forward.py).
 """
 
 from __future__ import annotations
