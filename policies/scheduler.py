@@ -474,10 +474,11 @@ class Scheduler:
         grow, preempt the policy's victims by recompute until it can (or it is the victim).
         Returns whether any sequence is left to run."""
         gone: set[int] = set()
+        try_grow = self.memory.try_grow
         for seq in list(batch.sequences):
             if seq.id in gone:
                 continue
-            while not self.memory.can_grow(seq):
+            while not try_grow(seq):
                 victim = self.policy.victim(self, batch)
                 if victim in batch.sequences:
                     batch.sequences.remove(victim)
@@ -489,8 +490,6 @@ class Scheduler:
                 self.evict(victim)
                 if victim is seq:
                     break
-            else:
-                self.memory.grow(seq)
         return bool(batch.sequences)
 
     def activation_tokens(self, batch: Batch) -> int:

@@ -19,8 +19,10 @@ from hydra import compose, initialize_config_dir
 
 from policies import Request, Scheduler
 from policies.alg1 import Algorithm1
+from policies.core import Sequence
 from policies.fcfs import FCFS
 from policies.iteration import IterationFCFS
+from policies.memory import PagedMemory
 from policies.priority import Priority
 from policies.scheduler import Policy
 from policies.sglang import SGLang
@@ -353,3 +355,34 @@ def test_an_arrival_in_a_paged_run_sees_the_blocks_allocated_by_then(monkeypatch
     assert_same(synced, ref)
     assert_same(unsynced, ref)
     assert synced.result.events < unsynced.result.events
+
+
+def test_try_grow_is_can_grow_then_grow():
+    """``PagedMemory.try_grow`` (one count of the blocks, a decode's inlined), which both paths
+    use, charges what ``can_grow`` and ``grow`` did: sequences at every phase (prefill, chunk,
+    decode, evicted), block sizes that divide their tokens or not, a cache that fills up."""
+    rng = np.random.default_rng(3)
+    for block in (1, 3, 16):
+        one, two = (PagedMemory(240, block) for _ in range(2))
+        answers = set()
+        seqs = [Sequence(Request(i, "BE", 0.0, int(rng.integers(1, 40)), 50)) for i in range(12)]
+        for step in range(400):
+            seq = seqs[int(rng.integers(len(seqs)))]
+            what = int(rng.integers(4))
+            if what == 0:
+                seq.generated += 1
+            elif what == 1:
+                seq.evicted = not seq.evicted
+                seq.prefilled_tokens = int(rng.integers(0, seq.request.prompt_tokens + 1))
+            elif what == 2:
+                seq.chunk_tokens = int(rng.integers(0, 5))
+            can = one.can_grow(seq)
+            if can:
+                one.grow(seq)
+            assert two.try_grow(seq) == can, (block, step)
+            answers.add(can)
+            assert (one.blocks, one.used_tokens, one.peak_used_tokens) == (
+                two.blocks, two.used_tokens, two.peak_used_tokens), (block, step)  # fmt: skip
+            if rng.integers(10) == 0:
+                assert one.free(seq) == two.free(seq)
+        assert answers == {True, False}  # the cache filled up
