@@ -170,8 +170,10 @@ class Scheduler:
         self._admissions = itertools.count()
         self._in_system = 0  # arrived, not finished: routers ask at every arrival
         self._evicted = False  # whether the last next_batch preempted for memory
-        # a fast-forwarded run under growing memory: the KV tokens each sequence of its batch
-        # holds in its first iteration, and through which iteration its blocks are charged
+        # a fast-forwarded run under growing memory: whether one is in progress, the KV tokens
+        # each sequence of its batch holds in its first iteration (None: not counted yet) and
+        # through which iteration its blocks are charged
+        self._growth_run = False
         self._run_tokens: np.ndarray | None = None
         self._run_grown = 1
 
@@ -309,7 +311,7 @@ class Scheduler:
         evicted sequence at the head of its queue may be admitted next); else up to the
         iteration before the first whose blocks would not fit (stepping would preempt there).
         """
-        self._run_tokens = None
+        self._growth_run, self._run_tokens = False, None
         grows = self.memory.grows
         if (
             batch.phase is not Phase.DECODE
@@ -324,18 +326,21 @@ class Scheduler:
         if left <= 1:
             return 1
         n = int(min(left, self.policy.decode_run(self, batch)))
-        return self._growth_run(batch, n) if grows and n > 1 else n
+        return self._blocks_run(batch, n) if grows and n > 1 else n
 
-    def _growth_run(self, batch: Batch, n: int) -> int:
+    def _blocks_run(self, batch: Batch, n: int) -> int:
         """The first ``n`` iterations of the run, up to the last whose new blocks fit: a
         sequence holding T tokens' blocks in the first iteration needs one more block in
         iteration i when T + i - 2 is a multiple of the block size, first in iteration
-        2 + (-T) mod block."""
+        2 + (-T) mod block. When even ceil((n - 1) / block) new blocks each fit, the
+        sequences are not counted (until ``grow_run`` needs them: most runs are cut early)."""
         block = self.memory.block_size_tokens
-        tokens = np.fromiter((q.context_tokens + 1 for q in batch.sequences), np.int64,
-                             len(batch.sequences))  # fmt: skip
-        first = 2 + (-tokens) % block
         free_blocks = (self.memory.capacity_tokens - self.memory.used_tokens) // block
+        if batch.size * -(-(n - 1) // block) <= free_blocks:
+            self._growth_run, self._run_grown = True, 1
+            return n
+        tokens = _run_tokens(batch)
+        first = 2 + (-tokens) % block
 
         def fits(i: int) -> bool:  # the new blocks of iterations 2..i together
             return int(np.maximum(0, (i - first) // block + 1).sum()) <= free_blocks
@@ -347,7 +352,7 @@ class Scheduler:
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid)
             n = lo
         if n > 1:
-            self._run_tokens, self._run_grown = tokens, 1
+            self._growth_run, self._run_tokens, self._run_grown = True, tokens, 1
         return n
 
     def grow_run(self, batch: Batch, iterations: int) -> None:
@@ -356,9 +361,11 @@ class Scheduler:
         charged yet: for a reader of memory (an arrival, a router) during the run, and for
         ``advance_decodes``. Nothing outside a run under growing memory. Memory only grows in
         a run, so the peak is the last total, as stepping's."""
-        tokens = self._run_tokens
-        if tokens is None or iterations <= self._run_grown:
+        if not self._growth_run or iterations <= self._run_grown:
             return
+        if self._run_tokens is None:  # the run's sequences have not decoded yet
+            self._run_tokens = _run_tokens(batch)
+        tokens = self._run_tokens
         block = self.memory.block_size_tokens
         before = -(-(tokens + (self._run_grown - 1)) // block)
         new = -(-(tokens + (iterations - 1)) // block) - before
@@ -378,9 +385,9 @@ class Scheduler:
         would (the batch stays running): every sequence's tokens, with the same float32 gaps,
         and under growing memory the blocks of the iterations up to the next one."""
         k = len(ends_s)
-        if self._run_tokens is not None:
+        if self._growth_run:
             self.grow_run(batch, k + 1)
-            self._run_tokens = None
+            self._growth_run, self._run_tokens = False, None
         gaps = np.diff(ends_s).astype(np.float32).tobytes()
         first, last = float(ends_s[0]), float(ends_s[-1])
         for seq in batch.sequences:
@@ -548,6 +555,12 @@ class Scheduler:
             raise RuntimeError("no batch is running")
         batch, self.running = self.running, None
         return batch
+
+
+def _run_tokens(batch: Batch) -> np.ndarray:
+    """The KV tokens each sequence of a decode batch holds in its next iteration."""
+    return np.fromiter((q.request.prompt_tokens + q.generated for q in batch.sequences),
+                       np.int64, len(batch.sequences))  # fmt: skip
 
 
 def prefill_batch(seqs: list[Sequence]) -> Batch | None:

@@ -298,17 +298,17 @@ def test_picks_drawn_ahead_are_the_picks_drawn_when_needed(seed):
 
 
 def count_runs_cut_by_memory(monkeypatch) -> dict:
-    """Counts the runs that ``Scheduler._growth_run`` shortens (blocks would run out)."""
+    """Counts the runs that ``Scheduler._blocks_run`` shortens (blocks would run out)."""
     counts = {"runs": 0, "cut": 0}
-    growth_run = Scheduler._growth_run
+    blocks_run = Scheduler._blocks_run
 
     def counted(self, batch, n):
-        m = growth_run(self, batch, n)
+        m = blocks_run(self, batch, n)
         counts["runs"] += 1
         counts["cut"] += m < n
         return m
 
-    monkeypatch.setattr(Scheduler, "_growth_run", counted)
+    monkeypatch.setattr(Scheduler, "_blocks_run", counted)
     return counts
 
 
