@@ -6,8 +6,9 @@ where requests_per_s is simulated requests per wall-clock second of the executor
 workload is built once, outside the timing; the median of --repeats runs is reported).
 
 ``--trace <csv>``: instead, every request of a trace at its own timestamps on one H200
-(Mixtral bf16, batch 32), under ``iteration`` and ``qllm`` (--policies), with fast-forward on
-and off: simulated requests per CPU second and per wall-clock second of the simulation loop
+(Mixtral bf16, batch 32), under ``iteration`` and ``qllm`` (--policies; vllm, vllm-chunked and
+sglang with their paged memory, as above), with fast-forward on and off: simulated requests
+per CPU second and per wall-clock second of the simulation loop
 (``Cluster.run``: workload, setup and outputs excluded), medians of --repeats runs with their
 spread (min-max). CPU time is what one core does when the machine is shared.
 ``--cluster-requests N`` then adds one run of N requests of that trace, repeated and rescaled
@@ -86,7 +87,8 @@ def trace_speed(args) -> None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         reached = {}
         for policy in [] if args.cluster_only else args.policies:
-            cfg = compose("config", overrides=[*base, f"policy={policy}",
+            name, extra = VARIANTS.get(policy, (policy, []))
+            cfg = compose("config", overrides=[*base, f"policy={name}", *extra,
                                                f"workload.num_requests={rows}"])  # fmt: skip
             requests = build_workload(cfg.workload, seed=cfg.seed)
             for fast_forward in (True, False):
@@ -96,6 +98,7 @@ def trace_speed(args) -> None:
                 wall = sorted(n / r[0] for r in runs)
                 cpu = sorted(n / r[1] for r in runs)
                 print(f"trace={args.trace} requests={n} policy={policy} "
+                      f"memory={cfg.memory.model} "
                       f"fast_forward={str(fast_forward).lower()} "
                       f"requests_per_cpu_s={statistics.median(cpu):.1f} "
                       f"spread={cpu[0]:.1f}-{cpu[-1]:.1f} "

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 
-from policies.core import Batch, Granularity
+from policies.core import Batch, Granularity, Sequence
 from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch
 
 
 class FCFS(Policy):
     name = "fcfs"
     granularity = Granularity.REQUEST
+    decode_run_grows = True  # the static batch decodes whatever the memory
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -38,3 +39,6 @@ class FCFS(Policy):
 
     def decode_run(self, s: Scheduler, batch: Batch) -> float:
         return math.inf  # the static batch decodes until a member finishes
+
+    def decode_run_on_arrival(self, s: Scheduler, batch: Batch, seq: Sequence) -> float:
+        return math.inf  # nothing joins a running static batch

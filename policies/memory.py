@@ -58,6 +58,10 @@ class Memory:
     def grow(self, seq: Sequence) -> None:
         """Nothing to charge unless the model grows."""
 
+    def try_grow(self, seq: Sequence) -> bool:
+        """``can_grow``, and if so ``grow``, in one call."""
+        return True
+
     def free(self, seq: Sequence) -> int:
         raise NotImplementedError
 
@@ -186,6 +190,31 @@ class PagedMemory(Memory):
         if need > 0:
             self.blocks[seq.id] = self.blocks.get(seq.id, 0) + need // self.block_size_tokens
             self.hold(need)
+
+    def add_blocks(self, seq: Sequence, blocks: int) -> None:
+        """Charge ``blocks`` more blocks to a sequence that holds some (a fast-forwarded run's
+        growth, ``Scheduler.grow_run``)."""
+        self.blocks[seq.id] += blocks
+        self.hold(blocks * self.block_size_tokens)
+
+    def try_grow(self, seq: Sequence) -> bool:
+        """``can_grow`` and ``grow`` with one count of the blocks, a decode's inlined: the
+        scheduler asks for every sequence of every fresh decode batch."""
+        if seq.generated == 0 or seq.evicted:
+            tokens = seq.context_tokens + seq.new_tokens
+        else:  # a decode: its context and the one token it feeds
+            tokens = seq.request.prompt_tokens + seq.generated
+        block = self.block_size_tokens
+        blocks = -(-tokens // block)
+        seq_id = seq.request.id
+        held = self.blocks.get(seq_id, 0)
+        need = (blocks - held) * block
+        if self.used_tokens + need > self.capacity_tokens:
+            return False
+        if need > 0:
+            self.blocks[seq_id] = blocks
+            self.hold(need)
+        return True
 
     def free(self, seq: Sequence) -> int:
         tokens = self.blocks.pop(seq.id, 0) * self.block_size_tokens

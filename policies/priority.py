@@ -18,24 +18,39 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 
-from policies.core import BE, LS, Batch, Granularity
+from policies.core import BE, LS, Batch, Granularity, Sequence
 from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch
 
 
 class Priority(Policy):
     name = "priority"
     granularity = Granularity.ITERATION
+    decode_run_grows = True  # admission alone reads memory
 
     def select(self, s: Scheduler, now: float) -> Batch | None:
         running = sum(len(q) for q in s.ready.values())
         room = self.max_batch_size - running
         if room > 0:
-            candidates = itertools.chain(s.waiting[LS], s.waiting[BE])
+            candidates = _waiting(s)
             seqs = s.take_prefill(candidates, room, self.max_batch_prefill_tokens)
             if seqs:
                 return prefill_batch(seqs)
         return decode_batch(s.take_ready(LS, running) + s.take_ready(BE, running))
 
     def decode_run(self, s: Scheduler, batch: Batch) -> float:
-        return math.inf  # admission failed on queues and memory that decoding does not change
+        return math.inf  # admission failed on queues decoding does not change, memory it fills
+
+    def decode_run_on_arrival(self, s: Scheduler, batch: Batch, seq: Sequence) -> float:
+        """Admission stops at the first waiting request that does not fit: only an arrival at
+        the head (LS first) that fits now may be admitted before the run's end."""
+        room = self.max_batch_size - batch.size
+        if room <= 0 or next(_waiting(s)) is not seq:
+            return math.inf
+        taken = s.take_prefill([seq], room, self.max_batch_prefill_tokens, dry_run=True)
+        return 1 if taken else math.inf
+
+
+def _waiting(s: Scheduler) -> Iterator[Sequence]:
+    return itertools.chain(s.waiting[LS], s.waiting[BE])

@@ -75,6 +75,11 @@ class Policy:
 
     name = "base"
     granularity = Granularity.ITERATION
+    # whether ``decode_run`` also holds under memory that grows (paged): the selection reads
+    # memory only through admissions, which fail the more surely the fuller the cache (free
+    # memory only shrinks during a run). The scheduler then cuts the run before the first
+    # iteration whose blocks would not fit, and after a selection that evicted.
+    decode_run_grows = False
 
     def __init__(
         self, max_batch_size: int | None = 32, max_batch_prefill_tokens: int = 4096
@@ -164,6 +169,13 @@ class Scheduler:
         self.merges = 0
         self._admissions = itertools.count()
         self._in_system = 0  # arrived, not finished: routers ask at every arrival
+        self._evicted = False  # whether the last next_batch preempted for memory
+        # a fast-forwarded run under growing memory: whether one is in progress, the KV tokens
+        # each sequence of its batch holds in its first iteration (None: not counted yet) and
+        # through which iteration its blocks are charged
+        self._growth_run = False
+        self._run_tokens: np.ndarray | None = None
+        self._run_grown = 1
 
     # ----------------------------------------------------------------------------- executor API
     @property
@@ -190,6 +202,7 @@ class Scheduler:
     def next_batch(self, now: float) -> Batch | None:
         if self.running is not None:
             raise RuntimeError("next_batch called while a batch is running")
+        kv_preemptions = self.kv_preemptions
         while True:
             batch = self.policy.select(self, now)
             if batch is None:
@@ -202,6 +215,7 @@ class Scheduler:
             if not self.memory.grows or batch.phase is Phase.PREFILL or self._grow(batch):
                 batch.swap_tokens = self.memory.take_transfer_tokens()
                 break
+        self._evicted = self.kv_preemptions != kv_preemptions
         for seq in batch.sequences:
             if seq.scheduled_s is None:
                 seq.scheduled_s = now
@@ -292,19 +306,73 @@ class Scheduler:
         """How many iterations of the batch just selected, this one included, are certain to
         run one after another unless a request arrives: the policy's ``decode_run``, up to the
         first that finishes a sequence. 1 unless the batch is a fresh decode batch of every
-        decode-ready sequence, with no chunked prefill pending, under memory that does not grow
-        (paged memory's blocks can run out: that path runs iteration by iteration)."""
+        decode-ready sequence, with no chunked prefill pending. Under paged memory also 1
+        unless the policy's ``decode_run_grows`` and its selection preempted nothing (an
+        evicted sequence at the head of its queue may be admitted next); else up to the
+        iteration before the first whose blocks would not fit (stepping would preempt there).
+        """
+        self._growth_run, self._run_tokens = False, None
+        grows = self.memory.grows
         if (
             batch.phase is not Phase.DECODE
             or batch.cursor
-            or self.memory.grows
             or self.ready[LS]
             or self.ready[BE]
             or self.prefilling
+            or (grows and (not self.policy.decode_run_grows or self._evicted))
         ):
             return 1
         left = min(q.request.output_tokens - q.generated for q in batch.sequences)
-        return int(min(left, self.policy.decode_run(self, batch))) if left > 1 else 1
+        if left <= 1:
+            return 1
+        n = int(min(left, self.policy.decode_run(self, batch)))
+        return self._blocks_run(batch, n) if grows and n > 1 else n
+
+    def _blocks_run(self, batch: Batch, n: int) -> int:
+        """The first ``n`` iterations of the run, up to the last whose new blocks fit: a
+        sequence holding T tokens' blocks in the first iteration needs one more block in
+        iteration i when T + i - 2 is a multiple of the block size, first in iteration
+        2 + (-T) mod block. When even ceil((n - 1) / block) new blocks each fit, the
+        sequences are not counted (until ``grow_run`` needs them: most runs are cut early)."""
+        block = self.memory.block_size_tokens
+        free_blocks = (self.memory.capacity_tokens - self.memory.used_tokens) // block
+        if batch.size * -(-(n - 1) // block) <= free_blocks:
+            self._growth_run, self._run_grown = True, 1
+            return n
+        tokens = _run_tokens(batch)
+        first = 2 + (-tokens) % block
+
+        def fits(i: int) -> bool:  # the new blocks of iterations 2..i together
+            return int(np.maximum(0, (i - first) // block + 1).sum()) <= free_blocks
+
+        if not fits(n):
+            lo, hi = 1, n  # fits(lo), not fits(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            n = lo
+        if n > 1:
+            self._growth_run, self._run_tokens, self._run_grown = True, tokens, 1
+        return n
+
+    def grow_run(self, batch: Batch, iterations: int) -> None:
+        """Charge the blocks that the fast-forwarded run of ``batch`` allocates through its
+        ``iterations``-th iteration (each at its selection, as stepping does), those not
+        charged yet: for a reader of memory (an arrival, a router) during the run, and for
+        ``advance_decodes``. Nothing outside a run under growing memory. Memory only grows in
+        a run, so the peak is the last total, as stepping's."""
+        if not self._growth_run or iterations <= self._run_grown:
+            return
+        if self._run_tokens is None:  # the run's sequences have not decoded yet
+            self._run_tokens = _run_tokens(batch)
+        tokens = self._run_tokens
+        block = self.memory.block_size_tokens
+        before = -(-(tokens + (self._run_grown - 1)) // block)
+        new = -(-(tokens + (iterations - 1)) // block) - before
+        self._run_grown = iterations
+        seqs = batch.sequences
+        for k in np.flatnonzero(new).tolist():
+            self.memory.add_blocks(seqs[k], int(new[k]))
 
     def decode_run_on_arrival(self, seq: Sequence) -> float:
         """While a fast-forwarded run of the running batch is in progress, ``seq`` arrived:
@@ -314,10 +382,14 @@ class Scheduler:
     def advance_decodes(self, batch: Batch, ends_s: np.ndarray) -> None:
         """Apply ``len(ends_s)`` decode iterations of the running batch, ending at ``ends_s``,
         that finish no sequence, as as many ``complete_iteration`` and ``next_batch`` calls
-        would (the batch stays running): every sequence's tokens, with the same float32 gaps."""
+        would (the batch stays running): every sequence's tokens, with the same float32 gaps,
+        and under growing memory the blocks of the iterations up to the next one."""
+        k = len(ends_s)
+        if self._growth_run:
+            self.grow_run(batch, k + 1)
+            self._growth_run, self._run_tokens = False, None
         gaps = np.diff(ends_s).astype(np.float32).tobytes()
         first, last = float(ends_s[0]), float(ends_s[-1])
-        k = len(ends_s)
         for seq in batch.sequences:
             seq.token_gaps_s.append(first - seq.last_token_s)
             seq.token_gaps_s.frombytes(gaps)
@@ -409,10 +481,11 @@ class Scheduler:
         grow, preempt the policy's victims by recompute until it can (or it is the victim).
         Returns whether any sequence is left to run."""
         gone: set[int] = set()
+        try_grow = self.memory.try_grow
         for seq in list(batch.sequences):
             if seq.id in gone:
                 continue
-            while not self.memory.can_grow(seq):
+            while not try_grow(seq):
                 victim = self.policy.victim(self, batch)
                 if victim in batch.sequences:
                     batch.sequences.remove(victim)
@@ -424,8 +497,6 @@ class Scheduler:
                 self.evict(victim)
                 if victim is seq:
                     break
-            else:
-                self.memory.grow(seq)
         return bool(batch.sequences)
 
     def activation_tokens(self, batch: Batch) -> int:
@@ -484,6 +555,12 @@ class Scheduler:
             raise RuntimeError("no batch is running")
         batch, self.running = self.running, None
         return batch
+
+
+def _run_tokens(batch: Batch) -> np.ndarray:
+    """The KV tokens each sequence of a decode batch holds in its next iteration."""
+    return np.fromiter((q.request.prompt_tokens + q.generated for q in batch.sequences),
+                       np.int64, len(batch.sequences))  # fmt: skip
 
 
 def prefill_batch(seqs: list[Sequence]) -> Batch | None:

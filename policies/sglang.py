@@ -35,6 +35,7 @@ from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch
 class SGLang(Policy):
     name = "sglang"
     granularity = Granularity.ITERATION
+    decode_run_grows = True  # see decode_run
 
     def __init__(
         self,
@@ -77,9 +78,23 @@ class SGLang(Policy):
         return decode_batch(s.take_ready(LS, n) + s.take_ready(BE, n))
 
     def decode_run(self, s: Scheduler, batch: Batch) -> float:
-        # admission (and preemption for it) failed on queues, priorities and memory that
-        # decoding under reserve does not change
+        """Admission of the head of the queue (and preemption for it) failed on queues and
+        priorities that decoding does not change, and on memory that it only fills: the
+        head's shortfall less what the running requests it may preempt hold grows by the
+        blocks the others take."""
         return math.inf
+
+    def decode_run_on_arrival(self, s: Scheduler, batch: Batch, seq: Sequence) -> float:
+        """Only the head of the queue is tried: an arrival behind it changes nothing."""
+        return 1 if self._head(s) is seq else math.inf
+
+    def _head(self, s: Scheduler) -> Sequence | None:
+        """``_waiting(s)[0]``, without the snapshot."""
+        if self.priority[LS] == self.priority[BE]:
+            return next(s.waiting_fifo(), None)
+        first, second = (LS, BE) if self.priority[LS] > self.priority[BE] else (BE, LS)
+        queue = s.waiting[first] or s.waiting[second]
+        return queue[0] if queue else None
 
     def _waiting(self, s: Scheduler) -> list[Sequence]:
         """The waiting queue in priority order, arrival order within a priority (a snapshot:

@@ -52,6 +52,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 class VLLM(Policy):
     name = "vllm"
     granularity = Granularity.ITERATION
+    decode_run_grows = True  # admission alone reads memory
 
     def __init__(
         self,
@@ -132,7 +133,7 @@ class VLLM(Policy):
 
     def decode_run(self, s: Scheduler, batch: Batch) -> float:
         """After a decode the next step tries admission: the decodes go on while it fails (on
-        queues and memory that decoding under reserve does not change)."""
+        queues that decoding does not change and memory that it only fills)."""
         if self.enable_chunked_prefill:
             return 1
         room = self.max_batch_size - batch.size
@@ -141,6 +142,16 @@ class VLLM(Policy):
             if s.take_prefill(self._waiting(s), room, budget, dry_run=True):
                 return 1
         return math.inf
+
+    def decode_run_on_arrival(self, s: Scheduler, batch: Batch, seq: Sequence) -> float:
+        """Admission stops at the first waiting request that does not fit: only an arrival at
+        the head of the queue that fits now may be admitted before the run's end (memory
+        only fills during it; ``decode_run`` found the old head unfit, or none)."""
+        room = self.max_batch_size - batch.size
+        if room <= 0 or next(iter(self._waiting(s))) is not seq:
+            return math.inf
+        budget = self.max_batch_prefill_tokens - batch.size
+        return 1 if s.take_prefill([seq], room, budget, dry_run=True) else math.inf
 
     def _waiting(self, s: Scheduler):
         if self.priority:

@@ -28,6 +28,7 @@ class Router:
     """Base class: ``choose`` returns the replica index for a request arriving now."""
 
     name = "base"
+    reads_memory = False  # whether ``choose`` reads the replicas' KV memory
 
     def __init__(self, num_replicas: int, ls_replicas: int = 1) -> None:
         self.num_replicas = num_replicas
@@ -73,6 +74,7 @@ class LeastKV(Router):
     of what their prefill writes, as paged memory never holds the rest in advance)."""
 
     name = "least_kv"
+    reads_memory = True
 
     def choose(self, scheds, request):
         def used(s: Scheduler) -> float:
@@ -175,6 +177,9 @@ class Cluster:
         return record
 
     def _place(self, req: Request) -> None:
+        if self.router.reads_memory:  # a fast-forwarded run's blocks, as stepping's by now
+            for rep in self.replicas:
+                rep.sync_run()
         i = self.router.choose(self.scheds, req)
         self.ids.append(req.id)
         self.placed.append(i)

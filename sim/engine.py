@@ -15,9 +15,12 @@ same routing draws in the same order). An arrival cuts the run when the policy w
 the batch or select otherwise before the run's end (``Policy.decode_run_on_arrival``; on an
 overloaded replica most arrivals only join a queue that the run does not reach): the
 iterations it completed are applied in bulk (``Scheduler.advance_decodes``) and the one in
-progress continues as any iteration does, preemptible. Events then grow with completions and
-the arrivals that change a decision, and every per-request result equals the
-iteration-by-iteration path's (tests/test_fast_forward.py).
+progress continues as any iteration does, preemptible. Under paged memory a run also ends
+before the first iteration whose new KV blocks would not fit (stepping preempts there); its
+blocks are charged as stepping charges them, at each iteration's selection, when anyone reads
+memory during the run (an arrival, a router: ``sync_run``), else in bulk at its end. Events
+then grow with completions and the arrivals that change a decision, and every per-request
+result equals the iteration-by-iteration path's (tests/test_fast_forward.py).
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ class Simulation:
         self._interruptible = False
         self._in_run = False  # in a fast-forwarded run of decode iterations
         self._run_iterations = 0  # its length
+        self._run_ends: np.ndarray | None = None  # its start, then each iteration's end
         self._arrivals_done = False
         # the sequences (ids, in order) of the last decode steps, whose padded KV is bound
         self._bound: tuple[int, ...] | None = None
@@ -125,6 +129,7 @@ class Simulation:
     def admit(self, req: Request) -> None:
         """A request arrives now: queue it, and wake or interrupt the executor if it must act.
         A cluster's router calls this for the requests it places on this replica."""
+        self.sync_run()
         seq = self.sched.arrive(req, self.env.now)
         if self.keep_sequences:
             self.sequences.append(seq)
@@ -138,6 +143,15 @@ class Simulation:
             self._interruptible = False
             self._executor.interrupt()
             self.events += 1
+
+    def sync_run(self) -> None:
+        """During a fast-forwarded run under growing memory, charge the blocks that stepping
+        has allocated by now (up to the iteration in progress: an arrival at an iteration's
+        end counts as before it, as a cut does), so that whoever reads memory now (the
+        policy on an arrival, a router) sees what stepping's would."""
+        if self._in_run and self._run_ends is not None:
+            j = max(1, int(np.searchsorted(self._run_ends, self.env.now)))
+            self.sched.grow_run(self.sched.running, j)
 
     def _cuts_run(self, seq: Seq) -> bool:
         """Whether an arrival during a fast-forwarded run changes what the run assumed: the
@@ -260,6 +274,7 @@ class Simulation:
         # sequential sums: each end is the float env.now reaches iteration by iteration
         ends = np.concatenate(([env.now], run.totals_s)).cumsum()
         self._in_run, self._run_iterations = True, len(run.totals_s)
+        self._run_ends = ends if sched.memory.grows else None
         try:
             yield from self._until(float(ends[-1]))
             self._in_run = False

@@ -19,8 +19,14 @@ from hydra import compose, initialize_config_dir
 
 from policies import Request, Scheduler
 from policies.alg1 import Algorithm1
+from policies.core import Sequence
+from policies.fcfs import FCFS
 from policies.iteration import IterationFCFS
+from policies.memory import PagedMemory
+from policies.priority import Priority
 from policies.scheduler import Policy
+from policies.sglang import SGLang
+from policies.vllm import VLLM
 from profiler.schema import OpPoint
 from sim import profiles
 from sim.app import CONF_DIR
@@ -56,6 +62,12 @@ POLICIES = {  # name -> overrides
 }
 
 
+# the policies whose runs fast-forward under paged memory too (``Policy.decode_run_grows``)
+PAGED = ("fcfs", "priority", "vllm", "vllm-priority", "sglang")
+# a KV cache of 8,000 tokens for the conversation trace: paged policies preempt every few runs
+TIGHT = ["profile.kv_capacity_tokens=8000", "memory.model=paged", "memory.swap_space_gib=4"]
+
+
 def run(overrides, fast_forward):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, f"fast_forward={fast_forward}"])
@@ -85,7 +97,7 @@ def test_fast_forward_gives_every_request_the_results_of_stepping(policy, worklo
     if policy in ("layer", "qllm", "qllm-router") and memory == "reserve":
         assert ref.result.preemptions > 0  # the comparison covers runs cut by a preemption
     # the fast path must really have run (where it may), or the comparison proves nothing
-    may = memory == "reserve" and policy not in ("alg1-guard", "vllm-chunked")
+    may = policy not in ("alg1-guard", "vllm-chunked") and (memory == "reserve" or policy in PAGED)
     fewer = ff.result.events < ref.result.events
     assert fewer == may, (ff.result.events, ref.result.events)
 
@@ -197,16 +209,29 @@ def test_a_lone_request_decodes_in_one_event():
         assert finishes[0] == finishes[1]
 
 
-@pytest.mark.parametrize("policy", ["iteration", "qllm"])
+ARRIVAL_HOOKS = {  # policy -> (its class, memory overrides)
+    "iteration": (IterationFCFS, []),
+    "qllm": (Algorithm1, []),
+    "fcfs": (FCFS, []),
+    "priority": (Priority, []),
+    "priority-paged": (Priority, TIGHT),
+    "vllm": (VLLM, TIGHT),
+    "vllm-priority": (VLLM, TIGHT),
+    "sglang": (SGLang, TIGHT),
+}
+
+
+@pytest.mark.parametrize("policy", list(ARRIVAL_HOOKS))
 def test_a_run_goes_on_through_arrivals_that_cannot_change_the_selection(policy, monkeypatch):
     """On the overloaded trace most arrivals only join a queue that is not served before the
     run's end (``Policy.decode_run_on_arrival``): runs go on through them, with the results of
     stepping, in fewer events than when every arrival cuts the run (the default answer)."""
-    overrides = [*POLICIES[policy], *WORKLOADS["conv"], "profile=h200-mixtral-bf16"]
+    klass, memory = ARRIVAL_HOOKS[policy]
+    overrides = [*POLICIES[policy.removesuffix("-paged")], *WORKLOADS["conv"],
+                 "profile=h200-mixtral-bf16", *memory]  # fmt: skip
     ff, ref = run(overrides, True), run(overrides, False)
     assert_same(ff, ref)
-    for klass in (IterationFCFS, Algorithm1):
-        monkeypatch.setattr(klass, "decode_run_on_arrival", Policy.decode_run_on_arrival)
+    monkeypatch.setattr(klass, "decode_run_on_arrival", Policy.decode_run_on_arrival)
     cut = run(overrides, True)
     assert_same(cut, ref)
     assert ff.result.events < 0.9 * cut.result.events, (ff.result.events, cut.result.events)
@@ -270,3 +295,94 @@ def test_picks_drawn_ahead_are_the_picks_drawn_when_needed(seed):
             assert (ahead.draw(3) == direct.draw(3)).all(), step
     ahead._sync()
     assert ahead.rng.bit_generator.state == direct.rng.bit_generator.state
+
+
+def count_runs_cut_by_memory(monkeypatch) -> dict:
+    """Counts the runs that ``Scheduler._blocks_run`` shortens (blocks would run out)."""
+    counts = {"runs": 0, "cut": 0}
+    blocks_run = Scheduler._blocks_run
+
+    def counted(self, batch, n):
+        m = blocks_run(self, batch, n)
+        counts["runs"] += 1
+        counts["cut"] += m < n
+        return m
+
+    monkeypatch.setattr(Scheduler, "_blocks_run", counted)
+    return counts
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", PAGED)
+def test_paged_runs_stop_before_blocks_run_out(policy, preemption, monkeypatch):
+    """Under paged memory a run goes on up to the iteration before the first whose new blocks
+    would not fit; stepping preempts there (by recompute or swap) and so must the fast path,
+    with the same victims, blocks and peak."""
+    overrides = [*POLICIES[policy], *WORKLOADS["conv"], "profile=h200-mixtral-bf16", *TIGHT,
+                 f"memory.preemption={preemption}"]  # fmt: skip
+    counts = count_runs_cut_by_memory(monkeypatch)
+    ff = run(overrides, True)
+    ref = run(overrides, False)
+    assert_same(ff, ref)
+    assert ff.result.events < ref.result.events / 5, (ff.result.events, ref.result.events)
+    if policy != "fcfs":  # a static batch of 32 never fills the cache
+        kind = "recomputes" if preemption == "recompute" else "swaps"
+        assert ref.requests[kind].sum() > 0
+        assert counts["cut"] > 0, counts
+
+
+@pytest.mark.parametrize("policy", ["vllm", "sglang"])
+def test_paged_runs_in_a_least_kv_cluster(policy):
+    """The least_kv router reads every replica's memory at each arrival: during a run it must
+    see the blocks stepping has allocated by then (``Simulation.sync_run``)."""
+    overrides = [*POLICIES[policy], *WORKLOADS["conv"], "profile=h200-mixtral-bf16", *TIGHT,
+                 "cluster.replicas=3", "cluster.router=least_kv"]  # fmt: skip
+    ff, ref = run(overrides, True), run(overrides, False)
+    assert_same(ff, ref)
+    assert ff.result.events < ref.result.events
+
+
+def test_an_arrival_in_a_paged_run_sees_the_blocks_allocated_by_then(monkeypatch):
+    """An arrival during a run is judged on the memory stepping has by then
+    (``Simulation.sync_run``): judged on the run's first iteration's memory (more free), the
+    head that no longer fits looks admissible and cuts the run, with the same results but more
+    events."""
+    overrides = [*POLICIES["vllm-priority"], *WORKLOADS["conv"], "profile=h200-mixtral-bf16",
+                 "memory.model=paged", "profile.kv_capacity_tokens=40000"]  # fmt: skip
+    synced, ref = run(overrides, True), run(overrides, False)
+    monkeypatch.setattr(Simulation, "sync_run", lambda self: None)
+    unsynced = run(overrides, True)
+    assert_same(synced, ref)
+    assert_same(unsynced, ref)
+    assert synced.result.events < unsynced.result.events
+
+
+def test_try_grow_is_can_grow_then_grow():
+    """``PagedMemory.try_grow`` (one count of the blocks, a decode's inlined), which both paths
+    use, charges what ``can_grow`` and ``grow`` did: sequences at every phase (prefill, chunk,
+    decode, evicted), block sizes that divide their tokens or not, a cache that fills up."""
+    rng = np.random.default_rng(3)
+    for block in (1, 3, 16):
+        one, two = (PagedMemory(240, block) for _ in range(2))
+        answers = set()
+        seqs = [Sequence(Request(i, "BE", 0.0, int(rng.integers(1, 40)), 50)) for i in range(12)]
+        for step in range(400):
+            seq = seqs[int(rng.integers(len(seqs)))]
+            what = int(rng.integers(4))
+            if what == 0:
+                seq.generated += 1
+            elif what == 1:
+                seq.evicted = not seq.evicted
+                seq.prefilled_tokens = int(rng.integers(0, seq.request.prompt_tokens + 1))
+            elif what == 2:
+                seq.chunk_tokens = int(rng.integers(0, 5))
+            can = one.can_grow(seq)
+            if can:
+                one.grow(seq)
+            assert two.try_grow(seq) == can, (block, step)
+            answers.add(can)
+            assert (one.blocks, one.used_tokens, one.peak_used_tokens) == (
+                two.blocks, two.used_tokens, two.peak_used_tokens), (block, step)  # fmt: skip
+            if rng.integers(10) == 0:
+                assert one.free(seq) == two.free(seq)
+        assert answers == {True, False}  # the cache filled up
