@@ -342,8 +342,8 @@ def drift_warning(records: list[dict]) -> str | None:
     if abs(worst) <= DRIFT_WARNING_PCT:
         return None
     return (f"warning: the machine's own speed drifted {worst:+.1f}% during the runs (a fixed "
-            f"probe, timed after the profile and after each point): errors of that size are "
-            f"the machine's, not the model's")  # fmt: skip
+            f"probe, timed after the profile and after each point): errors up to that size "
+            f"may be the machine's, not the model's")  # fmt: skip
 
 
 def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
