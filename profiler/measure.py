@@ -18,7 +18,7 @@ than inside an iteration, where the rest of the model streamed through the cache
   copies every sequence's cache into the batch's padded buffer (a step of the same batch
   reuses it): the same shapes, before each step one sequence replaced by a newly prefilled
   one (``Profiler.bind``). In the tiny-mixtral profile of results/validation (one thread) such
-  a step's attention costs 1.2-1.6x a reused one at batch 1-4 and 1.5-2.0x at batch 16-32;
+  a step's attention costs 1.2-1.6x a reused one at batch 1-4 and 1.6-2.0x at batch 16-32;
   the rest of the step costs about the same;
 - every expert stage of the prefill and decode iterations gives a sample of ``expert(n)``, n
   its queue size; samples are pooled in bins around ``grid.expert_tokens`` (a point per bin:
@@ -75,8 +75,8 @@ GRID_KEYS = ("prefill_tokens", "decode_batch", "decode_kv", "expert_tokens")
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 # The busy time over which a wake-up is followed (the steps timed per sample: this much work,
 # within WAKE_STEPS_RANGE): on this project's 2-core VM the slow-down after an idle gap faded
-# over about 8 decode steps of a tiny model (15-20 ms) on a quiet day, and lasted longer on a
-# noisy one. Points are kept at WAKE_POINTS steps (and the last).
+# over about 8 decode steps of a tiny model (15-20 ms); the window leaves room for a slower
+# device. Points are kept at WAKE_POINTS steps (and the last).
 WAKE_WINDOW_MS = 100.0
 WAKE_STEPS_RANGE = (4, 64)
 WAKE_POINTS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
