@@ -29,16 +29,24 @@ than inside an iteration, where the rest of the model streamed through the cache
   ``attn_chunk(n, 0)`` is ``attn_prefill(n)``'s samples: a chunk over no prefix is a prefill;
 - ``wake_up(idle_ms, busy_ms)``: for each idle time of ``wake.idle_ms``, ``wake.repeats``
   times: decode steps of one sequence, as many as take ``WAKE_WINDOW_MS`` warm, back to back
-  untimed (so that the last sample's slow-down is over), then again, each timed (warm), then
-  the device left idle that long, then the same steps again; each step's excess over its warm
-  time is the wake-up's share in it. A point per step boundary k of ``WAKE_POINTS`` and the
-  last: busy_ms the warm time of the first k steps, the value the excess of the steps after k
-  (medians over the repeats, made non-increasing in k): busy_ms = 0 holds the whole wake-up.
-  On the profile's CPU clock (on CUDA, wall clock, the device synchronised after each step, as
-  the engine reads its tokens). A CPU's cores and a GPU's clocks slow down when idle (an idle
-  H200 drops to 345 MHz): the first iterations after a gap run slower, and on this project's
-  2-core VM the slow-down faded over about 8 decode steps of a tiny model (15-20 ms) on a quiet
-  day: charging all of it to the first batch left the next ones 8-18% short.
+  untimed (so that the last sample's slow-down is over and the device is busy when the gap
+  starts), then the device left idle that long, then the same steps again, each timed. A
+  step's excess is its time over the median of the window's second half, by then warm: a
+  reference taken right after the slow-down, not from a window before the gap, because on a
+  shared machine a whole 100 ms window runs up to 20% faster or slower than the one before
+  it, and summed over the window that drift swamped a wake-up of 1-2 ms (tiny-olmoe's
+  profile read 0 to 11.6 ms at 50 ms of idle time in three runs; this estimator, 1.0-3.5 ms).
+  Per step, the median excess over the repeats; the slow-down ends at the first step whose
+  median is within the noise (at most the 90th percentile of |median| over the second half's
+  steps, which are warm): it fades, it does not come back. A point per step boundary k of
+  ``WAKE_POINTS`` and the last: busy_ms the warm time of the first k steps, the value the
+  summed excess of the steps after k: busy_ms = 0 holds the whole wake-up; p90 the 90th
+  percentile of the repeats' own sums over the same steps. A slow-down that outlasts half
+  the window is under-counted. On the profile's CPU clock (on CUDA, wall clock, the device
+  synchronised after each step, as the engine reads its tokens). A CPU's cores and a GPU's
+  clocks slow down when idle (an idle H200 drops to 345 MHz): the first iterations after a
+  gap run slower; on this project's 2-core VM the first decode step of a tiny model after
+  10-200 ms of idle time ran 1.2-2.2 ms (40-70%) slower, the next ones 0-0.5 ms.
 
 Each iteration runs ``warmup`` + ``repeats`` times (the sequences rewound in between), after
 one untimed prefill and decode step at the grid's largest shapes; attention and router samples
@@ -74,9 +82,9 @@ GRID_KEYS = ("prefill_tokens", "decode_batch", "decode_kv", "expert_tokens")
 # wall time of an uncontended run only with one torch thread).
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 # The busy time over which a wake-up is followed (the steps timed per sample: this much work,
-# within WAKE_STEPS_RANGE): on this project's 2-core VM the slow-down after an idle gap faded
-# over about 8 decode steps of a tiny model (15-20 ms); the window leaves room for a slower
-# device. Points are kept at WAKE_POINTS steps (and the last).
+# within WAKE_STEPS_RANGE; its second half is the warm reference): on this project's 2-core VM
+# the slow-down after an idle gap faded over 1-8 decode steps of a tiny model (3-20 ms); the
+# window leaves room for a slower device. Points are kept at WAKE_POINTS steps (and the last).
 WAKE_WINDOW_MS = 100.0
 WAKE_STEPS_RANGE = (4, 64)
 WAKE_POINTS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
@@ -86,6 +94,36 @@ def wake_steps(warm_step_ms: float) -> int:
     """Decode steps that take WAKE_WINDOW_MS warm (within WAKE_STEPS_RANGE)."""
     low, high = WAKE_STEPS_RANGE
     return min(max(math.ceil(WAKE_WINDOW_MS / max(warm_step_ms, 1e-9)), low), high)
+
+
+def wake_curve(idle_ms: int, times_ms: np.ndarray) -> list[OpPoint]:
+    """The ``wake_up`` points at one idle time from the step times (ms) of each repeat's
+    window after the gap (a row each): excess over the median of the row's second half,
+    median per step over the rows, up to the first step whose median is within the noise of
+    the second half's medians (their 90th percentile of |median|); a point at each of
+    WAKE_POINTS below the window's length and at its end."""
+    steps = times_ms.shape[1]
+    half = steps // 2
+    warm = np.median(times_ms[:, half:], axis=1, keepdims=True)
+    excess = times_ms - warm
+    med = np.median(excess, axis=0)
+    # the noise of a step's median: what the warm steps' medians show, whose excess is none
+    floor = float(np.percentile(np.abs(med[half:]), 90))
+    faded = np.flatnonzero(med[:half] <= floor)
+    end = int(faded[0]) if len(faded) else half
+    med[end:], excess[:, end:] = 0.0, 0.0
+
+    def left(x: np.ndarray) -> np.ndarray:  # the excess still ahead after k steps, k = 0..steps
+        return np.concatenate([np.cumsum(x[..., ::-1], axis=-1)[..., ::-1],
+                               np.zeros(x.shape[:-1] + (1,))], axis=-1)  # fmt: skip
+
+    kept = [k for k in WAKE_POINTS if k < steps] + [steps]
+    busy = float(np.median(warm)) * np.array(kept, dtype=float)
+    value = left(med)[kept]
+    p90 = np.maximum(np.percentile(left(excess), 90, axis=0)[kept], value)
+    return [OpPoint("wake_up", median_ms=float(m), p90_ms=float(p), idle_ms=idle_ms,
+                    busy_ms=round(float(b), 4))
+            for b, m, p in zip(busy, value, p90, strict=True)]  # fmt: skip
 
 
 # Share of free device memory the KV cache may take (the rest: activations, allocator slack).
@@ -109,7 +147,7 @@ class Settings:
     routing_prompt_tokens: int = 64
     seed: int = 0
     wake_idle_ms: tuple[int, ...] = (2, 10, 50, 200, 1000)  # empty: no wake_up op
-    wake_repeats: int = 5
+    wake_repeats: int = 9
     chunk_kv: tuple[int, ...] = ()  # cached prefixes under each chunk; empty: no attn_chunk
 
     @classmethod
@@ -359,30 +397,16 @@ class Profiler:
         seqs = self.prompts([min(s.decode_kv)])
         self.runner.run(self.runner.begin(seqs))  # the prefill: one token left to feed
         steps = wake_steps(1e3 * float(np.median(self._steps_s(seqs, WAKE_STEPS_RANGE[0] * 4))))
-        kept = [k for k in WAKE_POINTS if k < steps] + [steps]
-        # per idle time, per repeat: (warm time of the first k steps, excess of the rest), k
-        # = 0..steps, in ms
-        runs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
+        # per idle time: each repeat's step times (ms) after the gap
+        runs: dict[int, list[np.ndarray]] = defaultdict(list)
         for _ in range(s.wake_repeats):  # the idle times interleaved: drifts hit them alike
             for idle_ms in s.wake_idle_ms:
-                # the reference: steps a whole window of work after the last wake-up's, so that
-                # none of its slow-down is left in them
-                self._steps_s(seqs, steps)
-                warm = self._steps_s(seqs, steps)
+                self._steps_s(seqs, steps)  # busy, and past the last sample's slow-down
                 time.sleep(idle_ms / 1e3)
-                excess = 1e3 * (self._steps_s(seqs, steps) - warm)
-                busy = np.concatenate([[0.0], np.cumsum(1e3 * warm)])
-                left = np.concatenate([np.cumsum(excess[::-1])[::-1], [0.0]])
-                runs[idle_ms].append((busy[kept], left[kept]))
+                runs[idle_ms].append(1e3 * self._steps_s(seqs, steps))
         points = [OpPoint("wake_up", idle_ms=0)]
         for idle_ms, samples in sorted(runs.items()):
-            busy = np.median([b for b, _ in samples], axis=0)
-            left = np.array([x for _, x in samples])
-            med = np.maximum(np.minimum.accumulate(np.median(left, axis=0)), 0.0)
-            p90 = np.maximum(np.percentile(left, 90, axis=0), med)
-            points += [OpPoint("wake_up", median_ms=float(m), p90_ms=float(p), idle_ms=idle_ms,
-                               busy_ms=round(float(b), 4))
-                       for b, m, p in zip(busy, med, p90, strict=True)]  # fmt: skip
+            points += wake_curve(idle_ms, np.array(samples))
         return points
 
     def table(self) -> list[OpPoint]:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -325,32 +326,60 @@ def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypa
     assert measure.wake_steps(10.0) == 10 and measure.wake_steps(50.0) == 4
 
 
-def test_the_wake_up_reference_steps_come_after_the_last_slow_down(monkeypatch):
-    """A device that runs 1 ms steps 1 ms slower for 70 steps after 50 ms idle: longer than a
-    sample's 64 timed steps, so the warm reference must wait out the last sample's slow-down
-    (without the untimed steps first, the next sample's reference held 6 slow steps and its
-    wake-up came out 58 ms)."""
+def test_a_window_that_runs_slower_as_a_whole_is_drift_not_a_wake_up(monkeypatch):
+    """1 ms steps, 1 ms slower for the 5 steps after 50 ms or more of idle time; and the
+    machine drifts: each window after a gap runs at its own speed (1.0, 1.3, 0.8 ms per step in
+    turn). The wake-up is the 5 ms of those steps at every idle time (a reference from the
+    window before the gap, the last version's, read 17.8 ms here)."""
     runner = ModelRunner(build_model("tiny-mixtral")[0])
-    clock = {"now": 0.0, "last": 0.0, "slow": 0}
+    clock = {"now": 0.0, "last": 0.0, "slow": 0, "step": 0.001, "sleeps": 0}
+    speeds = [0.001, 0.0013, 0.0008]
     run_steps = runner.run
 
     def run(state):
         out = run_steps(state)
         if clock["now"] - clock["last"] >= 0.05:
-            clock["slow"] = 70
-        clock["now"] += 0.001 + (0.001 if clock["slow"] > 0 else 0.0)
+            clock["slow"] = 5
+        clock["now"] += clock["step"] + (0.001 if clock["slow"] > 0 else 0.0)
         clock["slow"] -= 1
         clock["last"] = clock["now"]
         return out
 
+    def sleep(seconds):
+        clock["now"] += seconds
+        clock["step"] = speeds[clock["sleeps"] % len(speeds)]
+        clock["sleeps"] += 1
+
     monkeypatch.setattr(runner, "run", run)
-    monkeypatch.setattr(measure, "time", SimpleNamespace(sleep=lambda s: clock.update(
-        now=clock["now"] + s)))  # fmt: skip
+    monkeypatch.setattr(measure, "time", SimpleNamespace(sleep=sleep))
     settings = Settings([4], [1], [8], [1], wake_idle_ms=(100, 150), wake_repeats=3)
     profiler = Profiler(runner, settings, torch.device("cpu"))
     profiler.clock.clock = lambda: clock["now"]
-    whole = {p.idle_ms: p.median_ms for p in profiler.wake_points() if p.busy_ms == 0}
-    assert whole == pytest.approx({0: 0.0, 100: 64.0, 150: 64.0})
+    curves = defaultdict(dict)
+    for p in profiler.wake_points():
+        curves[p.idle_ms][round(p.busy_ms, 6)] = p.median_ms
+    assert curves[0] == {0: 0.0}
+    for idle_ms in (100, 150):  # busy: the median warm step (1 ms) times the steps before
+        assert curves[idle_ms][0] == pytest.approx(5.0)
+        assert curves[idle_ms][3] == pytest.approx(2.0)
+        assert curves[idle_ms][8] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_slow_down_ends_at_the_first_step_that_is_not_slower():
+    """Per step, the median excess over the repeats (over the median of the window's second
+    half); the first step whose median is not positive ends the slow-down, so a later
+    positive step (noise, 0.4 ms at step 4) is not counted; p90 from the repeats' own sums."""
+    rows = np.array([[3.0, 1.5, 1.0, 1.4, 1.0, 1.0, 1.0, 1.0],
+                     [2.0, 1.5, 0.9, 1.4, 1.0, 1.0, 1.0, 1.0],
+                     [5.0, 1.5, 1.0, 1.4, 1.0, 1.0, 1.0, 1.0]])  # fmt: skip
+    points = measure.wake_curve(50, rows)
+    assert [p.busy_ms for p in points] == [0, 1, 2, 3, 4, 6, 8]
+    assert [p.median_ms for p in points] == pytest.approx([2.5, 0.5, 0, 0, 0, 0, 0])
+    assert points[0].p90_ms == pytest.approx(np.percentile([2.5, 1.5, 4.5], 90))
+    assert all(p.op == "wake_up" and p.idle_ms == 50 for p in points)
+    # a first step no slower than the warm ones: no wake-up at all
+    flat = measure.wake_curve(50, np.ones((3, 8)) + np.array([0, 0.5, 0, 0, 0, 0, 0, 0]))
+    assert [p.median_ms for p in flat] == [0.0] * 7
 
 
 def test_a_saved_profile_is_version_3_and_versions_1_and_2_still_load(tmp_path):
