@@ -284,6 +284,26 @@ def test_warm_ups_reach_the_largest_batch_and_prompt(monkeypatch):
     assert shapes[:3] == [(1, 24), (5, 40), (5, 5)]  # before any shape of the grid
 
 
+def test_each_repeat_feeds_new_tokens_over_the_same_cache():
+    """A real step feeds a token never fed before (other experts than the last step's): the
+    repeats of a shape feed new random tokens each time, over the same cached context, so
+    that the profile does not time experts kept hot by the same token re-fed."""
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    settings = Settings([4], [1], [8], [1], warmup=1, repeats=6, wake_idle_ms=())
+    profiler = Profiler(runner, settings, torch.device("cpu"))
+    seqs = profiler.prompts([9, 5])
+    runner.run(runner.begin(seqs))  # the prefill: one token each to feed
+    cached = [list(s.token_ids[: s.num_cached]) for s in seqs]
+    fed = []
+    begin = runner.begin
+    runner.begin = lambda batch: fed.append(tuple(s.token_ids[-1] for s in batch)) or begin(batch)
+    runs = profiler.repeat(seqs)
+    assert len(runs) == 6 and len(fed) == 7
+    assert len(set(fed)) == 7  # a new pair of tokens every time
+    assert [s.token_ids[: s.num_cached] for s in seqs] == cached
+    assert [(len(s.token_ids), s.num_cached) for s in seqs] == [(10, 9), (6, 5)]
+
+
 def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypatch):
     """On a clock of its own (deterministic): a device whose step takes 1 ms, and 40 ms more
     on the first step and 10 ms more on the second once it sat idle 50 ms or more. The
