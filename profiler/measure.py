@@ -149,6 +149,11 @@ class Settings:
     wake_idle_ms: tuple[int, ...] = (2, 10, 50, 200, 1000)  # empty: no wake_up op
     wake_repeats: int = 9
     chunk_kv: tuple[int, ...] = ()  # cached prefixes under each chunk; empty: no attn_chunk
+    passes: int = 1  # sweeps of the grid, each shape's repeats split over them (<= repeats)
+
+    def __post_init__(self) -> None:
+        if self.passes > self.repeats >= 1:  # a pass has a repeat at least
+            self.passes = self.repeats
 
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:
@@ -161,6 +166,7 @@ class Settings:
             routing_prompts=int(routing["prompts"]),
             routing_prompt_tokens=int(routing["prompt_tokens"]),
             seed=int(cfg["seed"]),
+            passes=int(cfg.get("passes") or 1),
         )
         out.chunk_kv = tuple(sorted({int(x) for x in grid.get("chunk_kv") or ()}))
         wake = cfg.get("wake")
@@ -177,6 +183,9 @@ class Settings:
                 raise SettingsError(f"grid.{key} must be a non-empty list of integers >= 1")
         if self.repeats < 1 or self.warmup < 0:
             raise SettingsError("repeats must be >= 1 and warmup >= 0")
+        if self.passes < 1:
+            raise SettingsError(f"passes={self.passes}: must be >= 1")
+        self.passes = min(self.passes, self.repeats)  # a pass has a repeat at least
         if self.clock not in CLOCKS:
             raise SettingsError(f"clock={self.clock}: expected one of {', '.join(CLOCKS)}")
         if self.routing_prompts < 1 or self.routing_prompt_tokens < 1:
@@ -185,6 +194,10 @@ class Settings:
             raise SettingsError("grid.chunk_kv must be integers >= 1 (or empty)")
         if self.wake_idle_ms and (min(self.wake_idle_ms) < 1 or self.wake_repeats < 1):
             raise SettingsError("wake.idle_ms must be integers >= 1 and wake.repeats >= 1")
+
+    def pass_repeats(self, k: int) -> int:
+        """The repeats of pass k (0-based): ``repeats`` split as evenly as ``passes`` allow."""
+        return self.repeats // self.passes + (k < self.repeats % self.passes)
 
     @property
     def num_iterations(self) -> int:
@@ -254,6 +267,7 @@ class Profiler:
         # (op, batch_size, num_tokens, kv_tokens) -> stage times (ms)
         self.samples: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
         self.expert_samples: list[tuple[int, float]] = []
+        self.passes_done = 0
 
     def random_ids(self, n: int) -> list[int]:
         vocab = self.runner.config.vocab_size
@@ -262,16 +276,20 @@ class Profiler:
     def prompts(self, lengths: list[int]) -> list[KVSequence]:
         return [self.runner.new_sequence(self.random_ids(n)) for n in lengths]
 
-    def repeat(self, seqs: list[KVSequence]) -> list[tuple[float, list[StageTime]]]:
+    def repeat(
+        self, seqs: list[KVSequence], repeats: int | None = None
+    ) -> list[tuple[float, list[StageTime]]]:
         """``repeats`` timed runs of one iteration of ``seqs`` (after ``warmup`` untimed),
         rewinding the sequences after each and feeding new random tokens the next time: a
         real step feeds a token never fed before, which routes to other experts than the last
         step's. Re-fed, the same token takes the same experts, still in the caches: on this
         project's VM a decode step of one sequence ran 3-4% faster so (tiny-olmoe,
-        tiny-qwen2-moe, tiny-mixtral; no difference from 4 sequences on)."""
+        tiny-qwen2-moe, tiny-mixtral; no difference from 4 sequences on). ``repeats``: by
+        default the settings'."""
+        repeats = self.settings.repeats if repeats is None else repeats
         marks = [(len(s.token_ids), s.num_cached) for s in seqs]
         runs = []
-        for i in range(self.settings.warmup + self.settings.repeats):
+        for i in range(self.settings.warmup + repeats):
             run = self.clock.iteration(self.runner, seqs)
             if i >= self.settings.warmup:
                 runs.append(run)
@@ -308,28 +326,28 @@ class Profiler:
             residual = mean_total - stage_ms - float(np.median(expert_ms))
             self.samples[("step_overhead", batch, 0, 0)].append(max(residual, 0.0))
 
-    def prefill(self, n: int) -> None:
-        self.record(self.repeat(self.prompts([n])), num_tokens=n)
+    def prefill(self, n: int, repeats: int | None = None) -> None:
+        self.record(self.repeat(self.prompts([n]), repeats), num_tokens=n)
 
-    def chunk(self, n: int, kv: int) -> None:
+    def chunk(self, n: int, kv: int, repeats: int | None = None) -> None:
         """A chunk of n tokens over kv cached: only its attention is filed (``attn_chunk``)."""
         seqs = self.prompts([kv + n])
         self.runner.run(self.runner.begin(seqs, [kv]))  # the prefix: kv cached, n to feed
-        for _, stages in self.repeat(seqs):
+        for _, stages in self.repeat(seqs, repeats):
             self.samples[("attn_chunk", 0, n, kv)] += [st.ms for st in stages
                                                        if st.ref.stage == "attention"]  # fmt: skip
 
-    def decode(self, batch: int, kv: int) -> None:
+    def decode(self, batch: int, kv: int, repeats: int | None = None) -> None:
         # Contexts spread from kv/2 up to kv: in a real decode batch they differ, and the runner
         # then pads them to the longest (the latency model reads attn_decode at the max), a
         # path that equal lengths would skip.
         lengths = [max(1, round(kv * (1 - 0.5 * i / max(batch - 1, 1)))) for i in range(batch)]
         seqs = self.prompts(lengths)
         self.runner.run(self.runner.begin(seqs))  # the prefill: kv cached, one token to feed
-        self.record(self.repeat(seqs), num_tokens=batch, batch=batch, kv=kv)
-        self.bind(seqs)
+        self.record(self.repeat(seqs, repeats), num_tokens=batch, batch=batch, kv=kv)
+        self.bind(seqs, repeats)
 
-    def bind(self, seqs: list[KVSequence]) -> None:
+    def bind(self, seqs: list[KVSequence], repeats: int | None = None) -> None:
         """``attn_decode_bind``: steps of a new decode batch, made as a run makes them: before
         each, one sequence (in turn) leaves, and a new one of its length joins, just prefilled.
         Only attention stages are filed: binding happens there (and costs more when the last
@@ -337,7 +355,8 @@ class Profiler:
         finished sequence is: ``seqs`` is changed in place, its caller must hold no other
         reference to the sequences it replaces)."""
         key = ("attn_decode_bind", len(seqs), 0, max(s.num_cached for s in seqs))
-        for i in range(self.settings.warmup + self.settings.repeats):
+        repeats = self.settings.repeats if repeats is None else repeats
+        for i in range(self.settings.warmup + repeats):
             j = i % len(seqs)
             seqs[j] = self.prompts([seqs[j].num_cached])[0]
             self.runner.run(self.runner.begin([seqs[j]]))  # its prefill: one token to feed
@@ -359,26 +378,39 @@ class Profiler:
             self.runner.run(self.runner.begin(seqs))
 
     def points(self, progress: bool = True) -> list[OpPoint]:
-        s = self.settings
-        if s.warmup:
-            self.warm_up()
-        bar = tqdm(total=s.num_iterations, desc="profiling", unit="shape", disable=not progress)
-        for n in s.prefill_tokens:
-            self.prefill(n)
-            bar.update()
-            if s.chunk_kv:
-                self.samples[("attn_chunk", 0, n, 0)] = list(
-                    self.samples[("attn_prefill", 0, n, 0)]
-                )
-            for kv in s.chunk_kv:
-                self.chunk(n, kv)
-                bar.update()
-        for kv in s.decode_kv:
-            for b in s.decode_batch:
-                self.decode(b, kv)
-                bar.update()
+        """Every pass of the grid, then the wake-up: the profile's points."""
+        bar = tqdm(total=self.settings.num_iterations * self.settings.passes, desc="profiling",
+                   unit="shape", disable=not progress)  # fmt: skip
+        while self.passes_done < self.settings.passes:
+            self.grid_pass(bar)
         bar.close()
         return self.table() + self.wake_points()
+
+    def grid_pass(self, bar: tqdm | None = None) -> None:
+        """The next pass over the grid: every shape, with that pass's share of the repeats (a
+        shape's samples spread over the passes, so that a stretch when the machine ran slow,
+        seconds long on a shared machine, hits a few of each shape's samples, not all of some
+        shapes': the medians then hold). Passes may be run with other work between them (the
+        validation runs its real replays there)."""
+        s = self.settings
+        if self.passes_done >= s.passes:
+            raise RuntimeError(f"all {s.passes} passes are done")
+        if s.warmup:
+            self.warm_up()
+        repeats = s.pass_repeats(self.passes_done)
+        for n in s.prefill_tokens:
+            self.prefill(n, repeats)
+            for kv in (0, *s.chunk_kv):
+                if kv:
+                    self.chunk(n, kv, repeats)
+                if bar is not None:
+                    bar.update()
+        for kv in s.decode_kv:
+            for b in s.decode_batch:
+                self.decode(b, kv, repeats)
+                if bar is not None:
+                    bar.update()
+        self.passes_done += 1
 
     def _steps_s(self, seqs: list[KVSequence], steps: int) -> np.ndarray:
         """Seconds of each of ``steps`` decode steps on the profile's clock (on CUDA, wall),
@@ -415,6 +447,10 @@ class Profiler:
         return points
 
     def table(self) -> list[OpPoint]:
+        if self.settings.chunk_kv:  # a chunk over no prefix is a prefill
+            for n in self.settings.prefill_tokens:
+                key = ("attn_chunk", 0, n, 0)
+                self.samples[key] = list(self.samples[("attn_prefill", 0, n, 0)])
         pts = []
         for (op, batch, tokens, kv), times in sorted(self.samples.items()):
             med, p90 = summarize(times)
@@ -486,9 +522,20 @@ def profile_model(
 ) -> Profile:
     """Profile an already built model. ``prompts`` feed the routing statistics (default:
     ``routing_prompts`` random prompts)."""
-    runner = ModelRunner(model)
-    prof = Profiler(runner, settings, info.device)
-    points = prof.points(progress)
+    prof = Profiler(ModelRunner(model), settings, info.device)
+    return build_profile(prof, info, name, prof.points(progress), prompts)
+
+
+def build_profile(
+    prof: Profiler,
+    info: ModelInfo,
+    name: str,
+    points: list[OpPoint],
+    prompts: list[list[int]] | None = None,
+) -> Profile:
+    """The Profile of ``points`` measured by ``prof`` (all of its passes and the wake-up:
+    ``prof.points()``; or, for a first estimate, the passes so far: ``prof.table()``)."""
+    settings = prof.settings
     if prompts is None:
         prompts = [prof.random_ids(settings.routing_prompt_tokens)
                    for _ in range(settings.routing_prompts)]  # fmt: skip
@@ -500,7 +547,7 @@ def profile_model(
         description=f"{info.name} ({info.num_params / 1e6:.1f}M parameters, {info.source}) "
         f"on {device}, stages timed inside real iterations of the stepped runner",
         calibration=f"profiler.measure: median of {settings.repeats} iterations per shape "
-        f"after {settings.warmup} warm-up, {timing}",
+        f"in {prof.passes_done} passes, each after {settings.warmup} warm-up, {timing}",
         device=device,
         dtype=str(info.dtype).removeprefix("torch."),
         model=info.shape,

@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -95,33 +96,74 @@ def covering_grid(grid: dict, largest_batch: int, longest_prompt: int,
     return grid, added
 
 
-def obtain_profile(cfg: DictConfig, runner, info, out: Path, cover: tuple[int, int, int]):
-    """(profile, its directory): read from ``profile.path``, or measured now into out/profile
-    on a grid that covers ``cover`` (largest batch, longest prompt, longest context)."""
-    from profiler.measure import Settings, SettingsError, profile_model
-    from sim import profiles
+class ProfileSource:
+    """The validation's profile: read from ``profile.path``, or measured now, in passes run
+    between the rounds of real replays (``Settings.passes`` = replays + 1: one before the
+    first round, one after each), so that the profile samples the same stretch of the
+    machine's life as the real runs: on a shared machine the same work runs up to 1.9x slower
+    for seconds at a time, and a profile taken all before the runs read some shapes in a slow
+    stretch, the runs in another. ``first()``: the profile after the first pass (it chooses
+    the rates); ``between_rounds()`` runs the next pass; ``final()`` runs any passes left and
+    the wake-up, saves the profile to ``directory`` and returns it."""
 
-    path = cfg.profile.get("path")
-    if path:
-        profile, directory = profiles.load("", path), Path(path).resolve()
-        shape = (profile.model.num_layers, profile.model.num_experts)
-        if shape != (runner.num_layers, runner.num_experts):
-            raise UserError(f"profile.path={path}: a profile of {profile.model.name}, not of "
-                            f"this model ({info.name})")  # fmt: skip
-        return profile, directory
-    settings_cfg = {k: v for k, v in OmegaConf.to_container(cfg.profile).items() if k != "path"}
-    if settings_cfg.get("clock") is None:  # the runs' clock: CPU time is the process clock
-        settings_cfg["clock"] = "process" if ClockKind(cfg.clock) is ClockKind.cpu else "wall"
-    settings_cfg["grid"], added = covering_grid(settings_cfg["grid"], *cover)
-    if added:
-        print(f"profile grid extended to cover the runs: {', '.join(added)}")
-    try:
-        settings = Settings.from_config({**settings_cfg, "seed": cfg.seed})
-    except (SettingsError, KeyError) as e:
-        raise UserError(f"profile: {e}") from None
-    profile = profile_model(runner.model, info, settings, f"{out.name}-profile",
-                            progress=cfg.progress)  # fmt: skip
-    return profile, profile.save(out / "profile").resolve()
+    def __init__(self, cfg: DictConfig, runner, info, out: Path, cover: tuple[int, int, int]):
+        from sim import profiles
+
+        self.info, self.name = info, f"{out.name}-profile"
+        self.directory = (out / "profile").resolve()
+        self.prof = None
+        path = cfg.profile.get("path")
+        if path:
+            profile, self.directory = profiles.load("", path), Path(path).resolve()
+            shape = (profile.model.num_layers, profile.model.num_experts)
+            if shape != (runner.num_layers, runner.num_experts):
+                raise UserError(f"profile.path={path}: a profile of {profile.model.name}, not "
+                                f"of this model ({info.name})")  # fmt: skip
+            self.profile = profile
+            return
+        from profiler.measure import Profiler, Settings, SettingsError
+
+        settings_cfg = {k: v for k, v in OmegaConf.to_container(cfg.profile).items()
+                        if k != "path"}  # fmt: skip
+        if settings_cfg.get("clock") is None:  # the runs' clock: CPU time is the process clock
+            settings_cfg["clock"] = "process" if ClockKind(cfg.clock) is ClockKind.cpu else "wall"
+        settings_cfg["grid"], added = covering_grid(settings_cfg["grid"], *cover)
+        settings_cfg["passes"] = cfg.replays + 1
+        if added:
+            print(f"profile grid extended to cover the runs: {', '.join(added)}")
+        try:
+            settings = Settings.from_config({**settings_cfg, "seed": cfg.seed})
+        except (SettingsError, KeyError) as e:
+            raise UserError(f"profile: {e}") from None
+        self.prof = Profiler(runner, settings, info.device)
+        self.progress = cfg.progress
+        self.between_rounds()
+        self.profile = self._build(self.prof.table())
+
+    def first(self):
+        return self.profile
+
+    def between_rounds(self) -> None:
+        if self.prof is not None and self.prof.passes_done < self.prof.settings.passes:
+            bar = tqdm(total=self.prof.settings.num_iterations, unit="shape",
+                       desc=f"profiling (pass {self.prof.passes_done + 1} of "
+                            f"{self.prof.settings.passes})", disable=not self.progress)  # fmt: skip
+            self.prof.grid_pass(bar)
+            bar.close()
+
+    def final(self):
+        if self.prof is not None:
+            # the first profile's memory: the real runs' schedulers were built with it
+            # (on CPU its KV capacity follows the free memory of the moment)
+            profile = self._build(self.prof.points(progress=False))
+            self.profile = dataclasses.replace(profile, memory=self.profile.memory)
+            self.profile.save(self.directory)
+        return self.profile
+
+    def _build(self, points):
+        from profiler.measure import build_profile
+
+        return build_profile(self.prof, self.info, self.name, points)
 
 
 def solo_service_s(latency, prompt_tokens: int, output_tokens: int, draws: int = 20) -> float:
@@ -376,8 +418,9 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     largest_batch = min(max(cap or len(nominal) for cap in policy_caps), len(nominal))
     cover = (largest_batch, max(r.prompt_tokens for r in nominal),
              max(r.prompt_tokens + r.output_tokens for r in nominal))  # fmt: skip
-    profile, profile_dir = obtain_profile(cfg, runner, info, out, cover)
-    sims = {p: sim_config(cfg, p, profile_dir) for p in cfg.policies}
+    source = ProfileSource(cfg, runner, info, out, cover)
+    profile = source.first()
+    sims = {p: sim_config(cfg, p, source.directory) for p in cfg.policies}
     prompt = statistics.fmean(r.prompt_tokens for r in nominal)
     output = statistics.fmean(r.output_tokens for r in nominal)
     solo_s = solo_service_s(build_latency(sims[cfg.policies[0]], profile),
@@ -394,28 +437,38 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     probe = make_probe(runner, ClockKind(cfg.clock), cfg.seed)
     reference_s = (statistics.median(probe() for _ in range(PROBE_REFERENCES))
                    if probe is not None else None)  # fmt: skip
-    records, rows = [], []
     cases = [(u, rate, policy) for u, rate in zip(cfg.utilizations, rates, strict=True)
              for policy in cfg.policies]  # fmt: skip
+    workloads = []
+    for _, rate, _ in cases:
+        workload = OmegaConf.merge(cfg.workload, {"rate": rate})
+        workloads.append(prepare_requests(cfg, runner, build_workload(workload, cfg.seed)))
+    reals = [[] for _ in cases]  # per case: each replay's summary, segments
+    drifts = [[] for _ in cases]  # per case: the probe after each of its replays
     bar = tqdm(total=len(cases) * cfg.replays, desc="validating", unit="run",
                disable=not cfg.progress)  # fmt: skip
-    for u, rate, policy in cases:
-        workload = OmegaConf.merge(cfg.workload, {"rate": rate})
-        requests, prompts = prepare_requests(cfg, runner, build_workload(workload, cfg.seed))
-        sim_cfg = sims[policy]
-        predictor = build_latency(sim_cfg, profile)
-        reals = []
-        for replay in range(cfg.replays):
-            real = execute(requests, prompts, build_scheduler(sim_cfg, profile), runner,
+    # Round by round: every case's replay r, then a pass of the profile (when measured now).
+    for _ in range(cfg.replays):
+        for i, (_, _, policy) in enumerate(cases):
+            requests, prompts = workloads[i]
+            real = execute(requests, prompts, build_scheduler(sims[policy], profile), runner,
                            cfg.slo, make_clock(ClockKind(cfg.clock)))  # fmt: skip
-            reals.append(real.summary)
-            rows += iteration_rows(policy, rate, replay, real.result.segments, predictor)
+            reals[i].append((real.summary, real.result.segments))
+            if probe is not None:
+                drifts[i].append(100 * (probe() / reference_s - 1))
             bar.update()
-        sim = simulate(sim_cfg, requests=requests)
-        drift = None if probe is None else round(100 * (probe() / reference_s - 1), 2)
-        records += records_of(policy, rate, load_label(u, cfg.utilizations), reals, sim.summary,
-                              drift)  # fmt: skip
+        source.between_rounds()
     bar.close()
+    profile = source.final()
+    records, rows = [], []
+    for i, (u, rate, policy) in enumerate(cases):
+        predictor = build_latency(sims[policy], profile)
+        for replay, (_, segments) in enumerate(reals[i]):
+            rows += iteration_rows(policy, rate, replay, segments, predictor)
+        sim = simulate(sims[policy], requests=workloads[i][0])
+        drift = round(statistics.median(drifts[i]), 2) if drifts[i] else None
+        records += records_of(policy, rate, load_label(u, cfg.utilizations),
+                              [summary for summary, _ in reals[i]], sim.summary, drift)  # fmt: skip
     (out / "validation.json").write_text(json.dumps(records, indent=1) + "\n")
     errors = iteration_errors(rows)
     (out / "iteration_errors.json").write_text(json.dumps(errors, indent=1) + "\n")

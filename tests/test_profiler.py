@@ -304,6 +304,48 @@ def test_each_repeat_feeds_new_tokens_over_the_same_cache():
     assert [(len(s.token_ids), s.num_cached) for s in seqs] == [(10, 9), (6, 5)]
 
 
+def test_repeats_are_split_over_the_passes():
+    settings = Settings([4], [1], [8], [1], repeats=10, passes=3, wake_idle_ms=())
+    assert [settings.pass_repeats(k) for k in range(3)] == [4, 3, 3]
+    assert Settings([4], [1], [8], [1], repeats=2, passes=5).passes == 2  # a repeat a pass
+    with pytest.raises(measure.SettingsError, match="passes=0"):
+        Settings([4], [1], [8], [1], passes=0).validate()
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+def test_a_slow_stretch_of_the_machine_hits_a_few_samples_of_a_shape(passes):
+    """On a clock of its own, every stage takes 1 s, and 3 s during a slow stretch of the
+    machine that starts with the first timed prefill of 16 tokens and lasts 9 iterations: all
+    9 repeats of that shape in one pass (its median triples), a third of them in 3 passes (the
+    median holds), as a shared machine's slow stretches of seconds hit a profile."""
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    settings = Settings([4, 16], [1], [8], [1], warmup=0, repeats=9, passes=passes,
+                        wake_idle_ms=())  # fmt: skip
+    profiler = Profiler(runner, settings, torch.device("cpu"))
+    state = {"now": 0.0, "started": False, "slow_left": 0, "slow": False}
+    begin = runner.begin
+
+    def timed_begin(seqs, *args):
+        if not state["started"] and len(seqs) == 1 and seqs[0].num_new == 16:
+            state["started"], state["slow_left"] = True, 9
+        state["slow"] = state["slow_left"] > 0
+        state["slow_left"] -= state["slow"]
+        return begin(seqs, *args)
+
+    def clock():
+        state["now"] += 3.0 if state["slow"] else 1.0
+        return state["now"]
+
+    runner.begin = timed_begin
+    profiler.clock.clock = clock
+    points = profiler.points(progress=False)
+    assert profiler.passes_done == passes
+    prefill = {p.num_tokens: p.median_ms for p in points if p.op == "attn_prefill"}
+    assert prefill[4] == pytest.approx(1000.0)
+    assert prefill[16] == pytest.approx(3000.0 if passes == 1 else 1000.0)
+    assert len(profiler.samples[("attn_prefill", 0, 16, 0)]) == 9 * runner.num_layers
+
+
 def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypatch):
     """On a clock of its own (deterministic): a device whose step takes 1 ms, and 40 ms more
     on the first step and 10 ms more on the second once it sat idle 50 ms or more. The

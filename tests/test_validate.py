@@ -17,8 +17,10 @@ import torch
 from conftest import linear_profile
 from hydra import compose, initialize_config_dir
 
+from profiler import measure
 from profiler.measure import WAKE_POINTS
 from profiler.schema import OpPoint
+from realrun import run as realrun_run
 from realrun import validation_table
 from realrun.engine import Segment
 from realrun.validate import (
@@ -69,10 +71,22 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
-def test_small_validation_writes_finite_consistent_records_and_a_plot(tmp_path, restore_threads):
+def test_small_validation_writes_finite_consistent_records_and_a_plot(
+    tmp_path, restore_threads, monkeypatch
+):
+    order = []  # the profile's passes and the real runs, in the order they ran
+    grid_pass, execute = measure.Profiler.grid_pass, realrun_run.execute
+    monkeypatch.setattr(measure.Profiler, "grid_pass",
+                        lambda self, *a: order.append("pass") or grid_pass(self, *a))  # fmt: skip
+    monkeypatch.setattr(realrun_run, "execute", lambda *a: order.append("run") or execute(*a))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("validate", overrides=[*SMALL, f"out_dir={tmp_path}", "name=small"])
         records, out = run_validation(cfg)
+    # a pass of the profile before the first round of replays (2 policies x 2 rates) and
+    # after each: the profile samples the stretch of time the runs do
+    assert order == ["pass", *["run"] * 4, "pass", *["run"] * 4, "pass"]
+    assert "in 3 passes" in json.loads((out / "profile" / "profile.json").read_text())[
+        "calibration"]  # fmt: skip
     assert out == tmp_path / "small"
     assert json.loads((out / "validation.json").read_text()) == records
     assert (out / "validation.png").stat().st_size > 0
