@@ -124,6 +124,14 @@ class Policy:
         cuts the run at every arrival. Preemption inside an iteration is asked separately."""
         return 1
 
+    def arrival_ends_run(self, s: Scheduler, batch: Batch, request: Request) -> bool:
+        """Whether ``request``, the next to arrive, would likely end a fast-forwarded run of
+        ``batch`` (just selected) if it arrived during it (``decode_run_on_arrival`` below
+        the run's length): the simulator then plans the run only up to its arrival. A hint
+        for speed only: any answer gives the same results. False (the default): plan the
+        whole run."""
+        return False
+
     def on_decodes(self, s: Scheduler, batch: Batch, ends_s: np.ndarray) -> None:
         """What ``on_complete`` does after each of ``len(ends_s)`` decode iterations of
         ``batch`` that finish no sequence (``Scheduler.advance_decodes``)."""
@@ -322,10 +330,13 @@ class Scheduler:
             or (grows and (not self.policy.decode_run_grows or self._evicted))
         ):
             return 1
+        runs = self.policy.decode_run(self, batch)  # first: often 1, and the cheaper
+        if runs <= 1:
+            return 1
         left = min(q.request.output_tokens - q.generated for q in batch.sequences)
         if left <= 1:
             return 1
-        n = int(min(left, self.policy.decode_run(self, batch)))
+        n = int(min(left, runs))
         return self._blocks_run(batch, n) if grows and n > 1 else n
 
     def _blocks_run(self, batch: Batch, n: int) -> int:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from policies.core import BE, LS, Batch, Granularity, Phase, Sequence
+from policies.core import BE, LS, Batch, Granularity, Phase, Request, Sequence
 from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch, priority_victim_key
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -152,6 +152,17 @@ class VLLM(Policy):
             return math.inf
         budget = self.max_batch_prefill_tokens - batch.size
         return 1 if s.take_prefill([seq], room, budget, dry_run=True) else math.inf
+
+    def arrival_ends_run(self, s: Scheduler, batch: Batch, request: Request) -> bool:
+        """With room in the batch, a request that heads the waiting queue on arrival is
+        admitted at the next step if its prompt's KV fits (memory only fills during a run:
+        if it does not fit now, it will not then)."""
+        if self.enable_chunked_prefill or batch.size >= self.max_batch_size:
+            return False
+        ahead = (
+            s.waiting[LS] if self.priority and request.cls == LS else s.waiting[LS] or s.waiting[BE]
+        )
+        return not ahead and s.fits(s.memory.admit_tokens(Sequence(request)))
 
     def _waiting(self, s: Scheduler):
         if self.priority:

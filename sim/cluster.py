@@ -21,7 +21,7 @@ import simpy
 from policies.core import LS, Request
 from policies.core import Sequence as Seq
 from policies.scheduler import Scheduler
-from sim.engine import SimResult, Simulation, replay
+from sim.engine import SimResult, Simulation, Upcoming, replay
 
 
 class Router:
@@ -162,6 +162,11 @@ class Cluster:
         self.t_s, self.replica, self.in_system = array("d"), array("q"), array("q")
         for i, rep in enumerate(replicas):
             rep.on_finish = self._finished(i, on_finish)
+        # the next request to arrive: a lone replica's to plan its runs by (with several, the
+        # router decides on arrival which one receives it)
+        self.upcoming = Upcoming()
+        if len(replicas) == 1:
+            replicas[0].upcoming = self.upcoming
 
     def _note(self, i: int) -> None:
         self.t_s.append(self.env.now)
@@ -187,7 +192,7 @@ class Cluster:
         self._note(i)
 
     def _arrivals(self):
-        waited = yield from replay(self.env, self.requests, self._place)
+        waited = yield from replay(self.env, self.requests, self._place, self.upcoming)
         self.events += waited
         for rep in self.replicas:
             rep.close_arrivals()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,16 +39,34 @@ from policies.scheduler import Scheduler
 from sim.latency import DecodeRun, LatencyModel
 
 
-def replay(env: simpy.Environment, requests: Sequence[Request], admit: Callable[[Request], None]):
+class Upcoming:
+    """The next request to arrive (None: none will), kept by ``replay`` for an executor that
+    plans fast-forwarded runs."""
+
+    __slots__ = ("request",)
+
+    def __init__(self) -> None:
+        self.request: Request | None = None
+
+
+def replay(
+    env: simpy.Environment,
+    requests: Iterable[Request],
+    admit: Callable[[Request], None],
+    upcoming: Upcoming | None = None,
+):
     """A SimPy process body: each request, in order, goes to ``admit`` at its arrival time.
     Returns the number of timeouts it waited (simulated events)."""
+    upcoming = upcoming or Upcoming()
     events = 0
     for req in requests:
+        upcoming.request = req
         delay = req.arrival_s - env.now
         if delay > 0:
             yield env.timeout(delay)
             events += 1
         admit(req)
+    upcoming.request = None
     return events
 
 
@@ -117,12 +135,17 @@ class Simulation:
         self._run_iterations = 0  # its length
         self._run_ends: np.ndarray | None = None  # its start, then each iteration's end
         self._arrivals_done = False
+        # the next request to arrive, when this simulation replays its own (None: a cluster's
+        # replica, which cannot tell whether the next arrival is its own)
+        self.upcoming: Upcoming | None = None
+        self.run_planned = 0  # iterations of fast-forwarded runs planned, and run
+        self.run_kept = 0
         # the sequences (ids, in order) of the last decode steps, whose padded KV is bound
         self._bound: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------------------ processes
     def _arrivals(self):
-        waited = yield from replay(self.env, self.requests, self.admit)
+        waited = yield from replay(self.env, self.requests, self.admit, self.upcoming)
         self.events += waited  # after the wait: the executor counts into it meanwhile
         self.close_arrivals()
 
@@ -263,8 +286,21 @@ class Simulation:
         """The iterations of this batch to fast-forward, planned; None: run just this one."""
         if not self.fast_forward:
             return None
-        n = self.sched.decode_run(batch)
-        return self.latency.decode_run(batch, n) if n > 1 else None
+        sched = self.sched
+        n = sched.decode_run(batch)
+        upcoming = self.upcoming.request if self.upcoming is not None else None
+        if n > 1 and upcoming is not None and sched.policy.arrival_ends_run(sched, batch,
+                                                                            upcoming):  # fmt: skip
+            # plan only up to about the next arrival, which will end the run there: a longer
+            # plan would be thrown away (a run may end anywhere; the results are the same)
+            ahead = upcoming.arrival_s - self.env.now
+            n = min(n, math.ceil(ahead / batch.plan.total_s))
+        if n <= 1:
+            return None
+        run = self.latency.decode_run(batch, n)
+        if run is not None:
+            self.run_planned += len(run.totals_s)
+        return run
 
     def _run_decodes(self, batch: Batch, run: DecodeRun):
         """The planned iterations of a decode batch in one timeout. Returns (start of the last
@@ -282,6 +318,7 @@ class Simulation:
         except simpy.Interrupt:  # an arrival: iteration j is in progress
             j, cut = max(1, int(np.searchsorted(ends, env.now))), True
         run.keep(j)
+        self.run_kept += j
         if j > 1:
             sched.advance_decodes(batch, ends[1:j])
             for step_s in np.diff(ends[:j]).tolist():  # summed as iteration by iteration
@@ -366,6 +403,7 @@ class Simulation:
         """Register the processes (the arrival process only when this simulation replays its
         own requests) and return the executor's."""
         if arrivals:
+            self.upcoming = Upcoming()
             self.env.process(self._arrivals())
         self._executor = self.env.process(self._executor_loop())
         return self._executor

@@ -209,6 +209,38 @@ def test_a_lone_request_decodes_in_one_event():
         assert finishes[0] == finishes[1]
 
 
+@pytest.mark.parametrize("hint", [True, False])
+def test_a_run_that_the_next_arrival_will_end_is_planned_only_up_to_it(hint, monkeypatch):
+    """vLLM with room in its batch admits every arrival at the next step, so each arrival ends
+    the run in progress: planned to the end of its decoding, a run threw away most of its plan
+    (fast-forward ran slower than stepping on the conversation trace). Planned up to the next
+    arrival (``Policy.arrival_ends_run``), it keeps most of what it plans; the results are
+    stepping's either way."""
+    if not hint:
+        monkeypatch.setattr(VLLM, "arrival_ends_run", Policy.arrival_ends_run)
+    profile = linear_profile(attn_ms=1.3, expert_ms=0.37, overhead_ms=2.9)
+    m = profile.model
+    rng = np.random.default_rng(3)
+    arrivals = np.cumsum(rng.exponential(0.4, 150))
+    reqs = [Request(i, "LS" if i % 3 else "BE", float(t), int(rng.integers(20, 200)),
+                    int(rng.integers(50, 400))) for i, t in enumerate(arrivals)]  # fmt: skip
+    results = []
+    for fast_forward in (True, False):
+        routing = RoutingModel(m.num_layers, m.num_experts, m.top_k, seed=1)
+        sched = Scheduler(VLLM(), kv_capacity_tokens=0, memory=PagedMemory(400_000, 16))
+        sim = Simulation(reqs, sched, LatencyModel(profile, routing), fast_forward=fast_forward)
+        results.append(sim.run())
+        if fast_forward:
+            planned, kept = sim.run_planned, sim.run_kept
+    for a, b in zip(*(sorted(r.sequences, key=lambda q: q.id) for r in results), strict=True):
+        assert a.finish_s == b.finish_s and a.token_gaps_s.tobytes() == b.token_gaps_s.tobytes()
+    assert results[0].events < results[1].events
+    if hint:
+        assert planned < 1.1 * kept, (planned, kept)  # 3,077 for 3,072 kept
+    else:
+        assert planned > 1.8 * kept, (planned, kept)  # 6,854 for 3,091
+
+
 ARRIVAL_HOOKS = {  # policy -> (its class, memory overrides)
     "iteration": (IterationFCFS, []),
     "qllm": (Algorithm1, []),
@@ -346,7 +378,9 @@ def test_an_arrival_in_a_paged_run_sees_the_blocks_allocated_by_then(monkeypatch
     """An arrival during a run is judged on the memory stepping has by then
     (``Simulation.sync_run``): judged on the run's first iteration's memory (more free), the
     head that no longer fits looks admissible and cuts the run, with the same results but more
-    events."""
+    events. (Without the hint that plans a run only up to an arrival that would end it: with
+    it, such runs end at that arrival either way.)"""
+    monkeypatch.setattr(VLLM, "arrival_ends_run", Policy.arrival_ends_run)
     overrides = [*POLICIES["vllm-priority"], *WORKLOADS["conv"], "profile=h200-mixtral-bf16",
                  "memory.model=paged", "profile.kv_capacity_tokens=40000"]  # fmt: skip
     synced, ref = run(overrides, True), run(overrides, False)
