@@ -268,6 +268,8 @@ class Profiler:
         self.samples: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
         self.expert_samples: list[tuple[int, float]] = []
         self.passes_done = 0
+        # (batch, num_tokens, kv) -> every timed iteration's total (ms): ``interference``
+        self.totals: dict[tuple[int, int, int], list[float]] = defaultdict(list)
 
     def random_ids(self, n: int) -> list[int]:
         vocab = self.runner.config.vocab_size
@@ -307,6 +309,7 @@ class Profiler:
                "lm_head": ("lm_head", batch, 0, 0)}  # fmt: skip
         counts: dict[tuple, int] = defaultdict(int)  # stages of each op in one iteration
         expert_ms = []  # per run: the experts' summed time
+        self.totals[(batch, num_tokens, kv)] += [total for total, _ in runs]
         for _, stages in runs:
             experts = 0.0
             for st in stages:
@@ -446,6 +449,13 @@ class Profiler:
             points += wake_curve(idle_ms, np.array(samples))
         return points
 
+    def interference(self) -> float:
+        """``Profile.interference``: the mean over every timed prefill and decode iteration of
+        its total over the median total of its shape's repeats (1.0 before any)."""
+        ratios = [t / m for totals in self.totals.values() if (m := float(np.median(totals))) > 0
+                  for t in totals]  # fmt: skip
+        return float(np.mean(ratios)) if ratios else 1.0
+
     def table(self) -> list[OpPoint]:
         if self.settings.chunk_kv:  # a chunk over no prefix is a prefill
             for n in self.settings.prefill_tokens:
@@ -557,6 +567,7 @@ def build_profile(
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
         created=datetime.date.today().isoformat(),
+        interference=prof.interference(),
         extra={
             "settings": asdict(settings),
             "threads": torch.get_num_threads(),

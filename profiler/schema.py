@@ -255,6 +255,11 @@ class Profile:
     created: str = ""
     extra: dict = field(default_factory=dict)
     prefill_attention: str = "per_prompt"
+    # the mean, over every timed iteration of the profile, of its time over the median of its
+    # shape's repeats: how much slower than its point a random iteration ran on this machine
+    # (1.0: none measured; a shared machine's slow stretches make it > 1). The latency model
+    # scales every iteration op by it, so that it predicts mean times, as the metrics are means.
+    interference: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -291,6 +296,8 @@ class Profile:
             for row in self.expert_load:
                 if min(row) < 0 or not math.isclose(sum(row), 1.0, rel_tol=1e-3):
                     raise ProfileError(f"{where}: each expert_load row must sum to 1")
+        if not (math.isfinite(self.interference) and self.interference > 0):
+            raise ProfileError(f"{where}: interference={self.interference} must be > 0")
         if self.memory.kv_capacity_tokens < 1:
             raise ProfileError(f"{where}: kv_capacity_tokens must be >= 1")
         if not self.memory.swap_bytes_per_s > 0:
@@ -321,6 +328,7 @@ class Profile:
             "memory": asdict(self.memory),
             "routing": {"expert_load": self.expert_load},
             "prefill_attention": self.prefill_attention,
+            "interference": self.interference,
             "extra": self.extra,
         }
         if self.source == "measured" and self.spread() is not None:
@@ -391,6 +399,7 @@ class Profile:
                 created=meta.get("created", ""),
                 extra=meta.get("extra") or {},
                 prefill_attention=meta.get("prefill_attention", "per_prompt"),
+                interference=float(meta.get("interference", 1.0)),
             )
         except (KeyError, TypeError) as e:
             raise ProfileError(f"{meta_path}: missing or malformed field ({e})") from None

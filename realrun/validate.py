@@ -460,6 +460,9 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
         source.between_rounds()
     bar.close()
     profile = source.final()
+    print(f"profile interference {profile.interference:.3f}: a timed iteration ran "
+          f"{100 * (profile.interference - 1):+.1f}% over its shape's median, on average; "
+          f"the simulator scales its iterations by it")  # fmt: skip
     records, rows = [], []
     for i, (u, rate, policy) in enumerate(cases):
         predictor = build_latency(sims[policy], profile)

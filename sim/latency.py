@@ -18,6 +18,7 @@ runs: its time, at the profile's ``swap_bytes_per_s``, is part of the iteration'
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
 from collections import defaultdict
@@ -28,6 +29,10 @@ import numpy as np
 
 from policies.core import Batch, Granularity, Phase
 from profiler.schema import PREFILL_ATTENTION, OpPoint, Profile
+
+# ops that Profile.interference does not scale: the wake-up is an excess over warm steps
+# measured on the same machine at the same time
+UNSCALED_OPS = frozenset({"wake_up"})
 
 
 class Curve1D:
@@ -519,6 +524,12 @@ class LatencyModel:
         prefill_attention: str | None = None,
     ) -> None:
         m = profile.model
+        if profile.interference != 1.0:  # predict mean iteration times (Profile.interference)
+            profile = dataclasses.replace(profile, points=[
+                p if p.op in UNSCALED_OPS else dataclasses.replace(
+                    p, median_ms=p.median_ms * profile.interference,
+                    p90_ms=p.p90_ms * profile.interference)
+                for p in profile.points])  # fmt: skip
         self.routing = routing or RoutingModel(m.num_layers, m.num_experts, m.top_k)
         self.attn_prefill = Curve1D(profile.op_points("attn_prefill"), "num_tokens")
         self.attn_decode = Curve2D(profile.op_points("attn_decode"))

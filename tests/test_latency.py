@@ -254,3 +254,27 @@ def test_a_mixed_batch_costs_its_chunk_over_the_cached_prefix():
     without = LatencyModel(linear_profile())
     assert without.plan(mixed_with_a_chunk(100)).attention_s == pytest.approx(2.0e-3)
     assert "attn_chunk" in {c.op for c in chunked.curves()}
+
+
+def decoding(i: int, context: int) -> Sequence:
+    """A sequence in decode with ``context`` tokens cached."""
+    seq = Sequence(Request(i, "BE", 0.0, context, 10))
+    seq.generated = 1
+    return seq
+
+
+def test_interference_scales_every_iteration_op_but_not_the_wake_up():
+    """A profile whose iterations ran 10% slower on average than their shapes' medians
+    (``Profile.interference``) predicts 1.1x every plan, prefill and decode alike; the wake-up
+    (an excess over warm steps) is not scaled."""
+    wake = [OpPoint("wake_up", idle_ms=0), OpPoint("wake_up", median_ms=20.0, idle_ms=100)]
+    base = with_points(linear_profile(), *wake)
+    slow = replace(base, interference=1.1)
+    for phase, seqs in (("prefill", [Sequence(Request(0, "LS", 0.0, 40, 5))]),
+                        ("decode", [decoding(i, 30 + i) for i in range(3)])):  # fmt: skip
+        batch = Batch(seqs, Phase(phase))
+        plans = [LatencyModel(p, RoutingModel(p.model.num_layers, p.model.num_experts,
+                                                p.model.top_k, seed=0)).plan(batch)
+                 for p in (base, slow)]  # fmt: skip
+        assert plans[1].total_s == pytest.approx(1.1 * plans[0].total_s)
+    assert LatencyModel(slow).wake_s(0.2) == LatencyModel(base).wake_s(0.2) == 0.020

@@ -444,6 +444,28 @@ def test_a_slow_down_ends_at_the_first_step_that_is_not_slower():
     assert [p.median_ms for p in flat] == [0.0] * 7
 
 
+def test_interference_is_the_mean_time_over_the_median_of_its_shape():
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    profiler = Profiler(runner, Settings([4], [1], [8], [1]), torch.device("cpu"))
+    assert profiler.interference() == 1.0  # nothing timed yet
+    profiler.totals[(0, 4, 0)] += [1.0, 1.0, 1.0, 3.0]  # one slow repeat of four: ratio 3
+    profiler.totals[(1, 1, 8)] += [2.0, 2.0, 2.0, 2.0]
+    assert profiler.interference() == pytest.approx(10 / 8)
+
+
+def test_a_profiles_interference_round_trips_and_old_files_read_none(tmp_path):
+    base = profiles.load("a100-mixtral-nf4-hf")
+    assert base.interference == 1.0
+    saved = replace(base, interference=1.08).save(tmp_path / "p")
+    assert Profile.load(saved).interference == 1.08
+    meta = json.loads((saved / "profile.json").read_text())
+    del meta["interference"]  # a profile saved before the field
+    (saved / "profile.json").write_text(json.dumps(meta))
+    assert Profile.load(saved).interference == 1.0
+    with pytest.raises(ValueError, match="interference=0"):
+        replace(base, interference=0.0)
+
+
 def test_a_saved_profile_is_version_3_and_versions_1_and_2_still_load(tmp_path):
     """A saved profile is version 3 and round-trips its wake_up points, busy times included;
     a version-2 file (no busy_ms column) and a version-1 file (no idle_ms either) read those
