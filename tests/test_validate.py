@@ -19,9 +19,12 @@ from hydra import compose, initialize_config_dir
 
 from profiler import measure
 from profiler.measure import WAKE_POINTS
+from profiler.models import build_model
+from profiler.ops import ModelRunner
 from profiler.schema import OpPoint
 from realrun import run as realrun_run
-from realrun import validation_table
+from realrun import validate, validation_table
+from realrun.config import ClockKind
 from realrun.engine import Segment
 from realrun.validate import (
     CLASSES,
@@ -29,6 +32,7 @@ from realrun.validate import (
     check,
     covering_grid,
     drift_warning,
+    duty_warning,
     iteration_rows,
     page_fault_warning,
     predict_segment,
@@ -95,7 +99,7 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     assert len(rates) == 2 and rates[0] < rates[1]
     keys = {"policy", "rate", "load", "cls", "metric", "sim", "real", "error_pct", "replays",
             "real_min", "real_max", "real_cv_pct", "real_page_faults",
-            "probe_drift_pct"}  # fmt: skip
+            "probe_drift_pct", "duty_slowdown"}  # fmt: skip
     for r in records:
         assert set(r) == keys and r["cls"] in CLASSES
         assert math.isfinite(r["sim"]) and math.isfinite(r["real"]) and r["real"] > 0
@@ -105,6 +109,7 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
         assert r["replays"] == 2 and r["real_min"] <= r["real"] <= r["real_max"]
         assert r["load"] == ("light" if r["rate"] == rates[0] else "loaded")
         assert math.isfinite(r["probe_drift_pct"]) and r["probe_drift_pct"] > -100
+        assert r["duty_slowdown"] == records[0]["duty_slowdown"] > 0  # one for the machine
         if sys.platform == "linux":  # the timed runs mapped (almost) no memory mid-run
             assert 0 <= r["real_page_faults"] <= PAGE_FAULT_WARNING
     assert any(r["real_min"] < r["real_max"] and r["real_cv_pct"] > 0 for r in records)
@@ -284,6 +289,41 @@ def test_the_segments_after_an_idle_gap_share_its_wake_up_as_the_simulator_charg
     assert shares[7] == pytest.approx(shares[0]) and shares[8] == pytest.approx(shares[1])
     for r in rows:
         assert r["predicted_s"] > r["wake_s"] >= 0
+
+
+def test_a_machine_slower_in_a_light_loads_pattern_is_warned_about():
+    summary = {"classes": {c: {"count": 1, "ttft_s": {"mean": 1.0},
+                               "turnaround_s": {"mean": 2.0}} for c in CLASSES},
+               "throughput": {"jobs_per_s": 3.0}}  # fmt: skip
+    quiet = records_of("fcfs", 1.0, "light", [summary], summary, 0.0, 1.04)
+    slow = records_of("fcfs", 1.0, "light", [summary], summary, 0.0, 1.6234)
+    assert {r["duty_slowdown"] for r in slow} == {1.623}
+    assert duty_warning(quiet) is None and duty_warning(records_of(
+        "fcfs", 1.0, "light", [summary], summary)) is None  # fmt: skip
+    assert duty_warning(slow).startswith("warning: in bursts of 10 decode steps 100 ms apart")
+    assert "1.62x slower than back to back" in duty_warning(slow)
+    assert summary_line(slow).endswith("; duty-cycle slowdown 1.62x")
+
+
+def test_the_duty_cycle_check_times_bursts_against_back_to_back_steps(monkeypatch):
+    """On a clock of its own: a step takes 1 ms, and 1.5 ms within 10 steps of a gap: the
+    check reads 1.5x (bursts against back-to-back steps); on the virtual clock, nothing."""
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    clock = {"now": 0.0, "since_gap": 10**6}
+    monkeypatch.setattr(validate, "DUTY_SECONDS", 0.3)
+    run = runner.run
+
+    def timed(state):
+        out = run(state)
+        clock["now"] += 0.0015 if clock["since_gap"] < 10 else 0.001
+        clock["since_gap"] += 1
+        return out
+
+    monkeypatch.setattr(runner, "run", timed)
+    monkeypatch.setattr(validate.time, "process_time", lambda: clock["now"])
+    monkeypatch.setattr(validate.time, "sleep", lambda s: clock.update(since_gap=0))
+    assert validate.duty_slowdown(runner, ClockKind.virtual, 0) is None
+    assert validate.duty_slowdown(runner, ClockKind.cpu, 0) == pytest.approx(1.5)
 
 
 def test_the_summary_line_says_how_far_the_machine_drifted():
