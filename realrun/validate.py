@@ -20,6 +20,12 @@
    over the replays, ``real_min``/``real_max``/``real_cv_pct`` their spread (the real engine's
    own noise floor), error_pct = 100 (sim - real) / real. Also ``validation.png`` (sim
    against real, the replays' range as error bars), the profile and the resolved config.
+   A diagnostic beside it, ``sim_speed_adjusted`` / ``speed_adjusted_error_pct``: the
+   simulator rerun once per replay with the profile scaled by how slow that replay's
+   iterations ran against their predictions (``run_speed``, ``run_speed_min``/``max``): the
+   error left when the machine's mean speed during each run is known. It uses the real runs'
+   times, so it is not a prediction; it separates the machine's speed from the rest
+   (scheduling, queueing, the profile's shape).
 5. Per-iteration error: every executed segment of every real run (``RealResult.segments``)
    beside the latency model's prediction for that very batch (the mean over routing draws of
    the plan's time from the segment's start cursor to its end, plus the resume switch and the
@@ -199,37 +205,58 @@ def records_of(
     sim: dict,
     drift_pct: float | None = None,
     duty: float | None = None,
+    adjusted: list[dict] | None = None,
+    speeds: list[float] | None = None,
 ) -> list[dict]:
     """Sim against the mean of the real replays, with the replays' spread (and the drift
     probe's change since the profile, timed after them; and the machine's duty-cycle
-    slowdown, ``duty_slowdown``)."""
+    slowdown, ``duty_slowdown``). ``adjusted``: per replay, the simulator's summary with the
+    profile scaled by that replay's measured speed (``speeds``, ``run_speed``): the
+    diagnostic ``sim_speed_adjusted`` / ``speed_adjusted_error_pct`` (the mean over the
+    replays against the real mean), which says what is left of the error once the machine's
+    mean speed during each real run is known; not a prediction."""
     rows = []
     counted = [f for real in reals
                if (f := real.get("executor", {}).get("page_faults")) is not None]  # fmt: skip
     faults = max(counted) if counted else None
 
-    def add(cls: str, metric: str, s: float | None, values: list[float | None]) -> None:
-        s = math.nan if s is None else s
-        values = [math.nan if v is None else v for v in values]
+    def add(cls: str, metric: str, get) -> None:
+        s = math.nan if (s := get(sim)) is None else s
+        values = [math.nan if (v := get(real)) is None else v for real in reals]
         r = statistics.fmean(values)
         err = 100 * (s - r) / r if r else math.nan
         cv = 100 * statistics.pstdev(values) / r if r and len(values) > 1 else 0.0
-        rows.append({"policy": policy, "rate": rate, "load": load, "cls": cls, "metric": metric,
-                     "sim": s, "real": r, "error_pct": err, "replays": len(values),
-                     "real_min": min(values), "real_max": max(values),
-                     "real_cv_pct": cv, "real_page_faults": faults,
-                     "probe_drift_pct": drift_pct,
-                     "duty_slowdown": None if duty is None else round(duty, 3)})  # fmt: skip
+        row = {"policy": policy, "rate": rate, "load": load, "cls": cls, "metric": metric,
+               "sim": s, "real": r, "error_pct": err, "replays": len(values),
+               "real_min": min(values), "real_max": max(values),
+               "real_cv_pct": cv, "real_page_faults": faults,
+               "probe_drift_pct": drift_pct,
+               "duty_slowdown": None if duty is None else round(duty, 3)}  # fmt: skip
+        if adjusted:
+            a = statistics.fmean(math.nan if (v := get(x)) is None else v for x in adjusted)
+            row |= {"sim_speed_adjusted": a,
+                    "speed_adjusted_error_pct": 100 * (a - r) / r if r else math.nan,
+                    "run_speed_min": round(min(speeds), 3) if speeds else None,
+                    "run_speed_max": round(max(speeds), 3) if speeds else None}  # fmt: skip
+        rows.append(row)
 
     for cls in CLASSES:
         if reals[0]["classes"][cls]["count"] == 0:
             continue
         for metric, key in METRICS.items():
-            add(cls, metric, sim["classes"][cls][key]["mean"],
-                [real["classes"][cls][key]["mean"] for real in reals])  # fmt: skip
-    add("all", "throughput_jobs", sim["throughput"]["jobs_per_s"],
-        [real["throughput"]["jobs_per_s"] for real in reals])  # fmt: skip
+            add(cls, metric, lambda summary: summary["classes"][cls][key]["mean"])
+    add("all", "throughput_jobs", lambda summary: summary["throughput"]["jobs_per_s"])
     return rows
+
+
+def run_speed(rows: list[dict]) -> float:
+    """How slow the machine ran during one real run, against the profile: the run's summed
+    measured time over its summed predicted time, wake-ups excluded from both (the factor
+    ``Profile.interference`` scales; 1.2: every iteration 20% slower than predicted, on
+    average)."""
+    measured = sum(r["measured_s"] - r["wake_s"] for r in rows)
+    predicted = sum(r["predicted_s"] - r["wake_s"] for r in rows)
+    return measured / predicted if predicted > 0 and measured > 0 else 1.0
 
 
 def shape_batch(phase: str, shape: list[tuple[str, int, int]]) -> Batch:
@@ -533,13 +560,19 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     records, rows = [], []
     for i, (u, rate, policy) in enumerate(cases):
         predictor = build_latency(sims[policy], profile)
+        speeds, adjusted = [], []
         for replay, (_, segments) in enumerate(reals[i]):
-            rows += iteration_rows(policy, rate, replay, segments, predictor)
+            replay_rows = iteration_rows(policy, rate, replay, segments, predictor)
+            rows += replay_rows
+            speeds.append(run_speed(replay_rows))
+            scaled = dataclasses.replace(profile, interference=profile.interference * speeds[-1])
+            adjusted.append(simulate(sims[policy], requests=workloads[i][0],
+                                     profile=scaled).summary)  # fmt: skip
         sim = simulate(sims[policy], requests=workloads[i][0])
         drift = round(statistics.median(drifts[i]), 2) if drifts[i] else None
         records += records_of(policy, rate, load_label(u, cfg.utilizations),
                               [summary for summary, _ in reals[i]], sim.summary, drift,
-                              duty)  # fmt: skip
+                              duty, adjusted, speeds)  # fmt: skip
     (out / "validation.json").write_text(json.dumps(records, indent=1) + "\n")
     errors = iteration_errors(rows)
     (out / "iteration_errors.json").write_text(json.dumps(errors, indent=1) + "\n")
@@ -550,12 +583,22 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
 
 def table(records: list[dict]) -> str:
     lines = [f"{'policy':<10} {'rate':>7} {'load':<8} {'cls':<4} {'metric':<16} {'sim':>10} "
-             f"{'real':>10} {'error%':>8} {'real cv%':>8} {'real min-max':>17}"]  # fmt: skip
+             f"{'real':>10} {'error%':>8} {'real cv%':>8} {'real min-max':>17} "
+             f"{'adj err%':>8}"]  # fmt: skip
     for r in records:
+        adjusted = r.get("speed_adjusted_error_pct")
         lines.append(f"{r['policy']:<10} {r['rate']:>7g} {r['load']:<8} {r['cls']:<4} "
                      f"{r['metric']:<16} {r['sim']:>10.4f} {r['real']:>10.4f} "
                      f"{r['error_pct']:>8.1f} {r['real_cv_pct']:>8.1f} "
-                     f"{r['real_min']:>8.4f}-{r['real_max']:<8.4f}")  # fmt: skip
+                     f"{r['real_min']:>8.4f}-{r['real_max']:<8.4f} "
+                     f"{'' if adjusted is None else f'{adjusted:.1f}':>8}")  # fmt: skip
+    speeds = [(r["run_speed_min"], r["run_speed_max"]) for r in records
+              if r.get("run_speed_min") is not None]  # fmt: skip
+    if speeds:
+        lines.append(f"adj err%: the simulator with the profile scaled by each real run's "
+                     f"measured speed ({min(a for a, _ in speeds):.2f}x .. "
+                     f"{max(b for _, b in speeds):.2f}x its prediction): a diagnostic of what "
+                     f"the machine's speed explains, not a prediction")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -589,6 +632,12 @@ def summary_line(records: list[dict]) -> str:
     drift = f"; machine drift {min(drifts):+.1f}%..{max(drifts):+.1f}%" if drifts else ""
     duty = next((d for r in records if (d := r.get("duty_slowdown")) is not None), None)
     drift += f"; duty-cycle slowdown {duty:.2f}x" if duty is not None else ""
+    adjusted = [abs(r["speed_adjusted_error_pct"]) for r in records
+                if r["cls"] != "all" and math.isfinite(r.get("speed_adjusted_error_pct", math.nan))]  # fmt: skip
+    if adjusted:
+        drift += (f"; speed-adjusted (diagnostic): worst {max(adjusted):.1f}%, median "
+                  f"{statistics.median(adjusted):.1f}%, {sum(e <= 10 for e in adjusted)} of "
+                  f"{len(adjusted)} within 10%")  # fmt: skip
     return (
         f"per-class means: worst |error| {max(errors):.1f}%, median {median:.1f}%, "
         f"{within} of {len(errors)} within 10%; real replays' worst cv {noise:.1f}%{drift}"

@@ -1,8 +1,10 @@
 """``python -m realrun.validation_table DIR``: one markdown table over every validation under
 DIR (``<DIR>/<model>-<device>/validation.json``, as ``make validate`` writes them): per model
 and load level, the clock the real runs were timed on (wall, or cpu: ``clock=cpu``), the worst
-and median per-class mean error, how many are within 10%, the throughput error, and the real
-engine's own spread (the replays' worst CV)."""
+and median per-class mean error, how many are within 10%, the throughput error, the real
+engine's own spread (the replays' worst CV), and the speed-adjusted diagnostic (how many
+per-class means are within 10% once each real run's measured speed scales the profile; "-"
+for validations written before it)."""
 
 from __future__ import annotations
 
@@ -38,10 +40,14 @@ def rows_of(name: str, records: list[dict], clock: str = "?") -> list[str]:
         thr = [r["error_pct"] for r in point if r["metric"] == "throughput_jobs"]
         cv = max(r["real_cv_pct"] for r in point)
         within = sum(e <= 10 for e in errors)
+        adjusted = [abs(r["speed_adjusted_error_pct"]) for r in point if r["cls"] != "all"
+                    and math.isfinite(r.get("speed_adjusted_error_pct", math.nan))]  # fmt: skip
+        adj = (f"{sum(e <= 10 for e in adjusted)} of {len(adjusted)}, median "
+               f"{statistics.median(adjusted):.1f}%" if adjusted else "-")  # fmt: skip
         rows.append(f"| {name} | {load} | {clock} | {max(errors):.1f}% "
                     f"| {statistics.median(errors):.1f}% "
                     f"| {within} of {len(errors)} | {min(thr):+.1f}% .. {max(thr):+.1f}% "
-                    f"| {cv:.1f}% |")  # fmt: skip
+                    f"| {cv:.1f}% | {adj} |")  # fmt: skip
     return rows
 
 
@@ -50,8 +56,9 @@ def table(root: Path) -> str:
     if not found:
         raise FileNotFoundError(f"no */validation.json under {root}")
     lines = ["| model | load | clock | worst per-class error | median | within 10% "
-             "| throughput error | real replays' worst CV |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| throughput error | real replays' worst CV "
+             "| speed-adjusted within 10% (diagnostic) |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for path in found:
         records = json.loads(path.read_text())
         if not records or "load" not in records[0]:

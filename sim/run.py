@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from policies.memory import build_memory
+from profiler.schema import Profile
 from policies.scheduler import CapacityError, Policy, Scheduler
 from sim import profiles
 from sim.cluster import ROUTERS, Cluster, replica_stats
@@ -110,16 +111,18 @@ def build_latency(cfg: Any, profile, replica: int = 0) -> LatencyModel:
 
 
 def simulate(cfg: Any, requests=None, record_trace: bool = False,
-             keep_sequences: bool = False) -> RunOutput:  # fmt: skip
+             keep_sequences: bool = False, profile: Profile | None = None) -> RunOutput:  # fmt: skip
     """Run ``requests`` (None: the config's workload, streamed: its requests are made as
     they arrive) and fold each request into the outputs as it finishes. ``keep_sequences``:
     also keep every Sequence object in ``result.sequences`` (tests compare them; a long run
-    would hold gigabytes)."""
+    would hold gigabytes). ``profile``: this profile instead of the one ``cfg.profile``
+    names (``qllm-validate``'s speed-adjusted diagnostic)."""
     validate(cfg)
     ordered = requests is None
     if requests is None:
         requests = stream_workload(cfg.workload, seed=cfg.seed)
-    profile = profiles.load(cfg.profile.name, cfg.profile.path)
+    if profile is None:
+        profile = profiles.load(cfg.profile.name, cfg.profile.path)
     progress = cfg.progress
     if progress is None:
         progress = len(requests) >= LONG_RUN_REQUESTS and sys.stderr.isatty()

@@ -37,6 +37,7 @@ from realrun.validate import (
     page_fault_warning,
     predict_segment,
     records_of,
+    run_speed,
     run_validation,
     shape_batch,
     summary_line,
@@ -99,9 +100,20 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     assert len(rates) == 2 and rates[0] < rates[1]
     keys = {"policy", "rate", "load", "cls", "metric", "sim", "real", "error_pct", "replays",
             "real_min", "real_max", "real_cv_pct", "real_page_faults",
-            "probe_drift_pct", "duty_slowdown"}  # fmt: skip
+            "probe_drift_pct", "duty_slowdown", "sim_speed_adjusted",
+            "speed_adjusted_error_pct", "run_speed_min", "run_speed_max"}  # fmt: skip
     for r in records:
         assert set(r) == keys and r["cls"] in CLASSES
+        # the diagnostic: the simulator rerun at each replay's measured speed
+        assert 0 < r["run_speed_min"] <= r["run_speed_max"]
+        assert r["speed_adjusted_error_pct"] == pytest.approx(
+            100 * (r["sim_speed_adjusted"] - r["real"]) / r["real"])  # fmt: skip
+        # every replay ran slow (fast): all requests finish later (sooner) on average; one
+        # class's mean need not move so (the batches form differently)
+        if (r["cls"], r["metric"]) == ("all", "turnaround_mean") and r["run_speed_min"] > 1.02:
+            assert r["sim_speed_adjusted"] > r["sim"]
+        if (r["cls"], r["metric"]) == ("all", "turnaround_mean") and r["run_speed_max"] < 0.98:
+            assert r["sim_speed_adjusted"] < r["sim"]
         assert math.isfinite(r["sim"]) and math.isfinite(r["real"]) and r["real"] > 0
         # no bound on the error itself: wall-clock timings on a shared CPU vary too much
         assert r["error_pct"] == pytest.approx(100 * (r["sim"] - r["real"]) / r["real"])
@@ -334,3 +346,47 @@ def test_the_summary_line_says_how_far_the_machine_drifted():
     records += records_of("fcfs", 9.0, "overload", [summary], summary, 6.0)
     assert summary_line(records).endswith("; machine drift -3.5%..+6.0%")
     assert "drift" not in summary_line(records_of("fcfs", 1.0, "light", [summary], summary))
+
+
+def test_a_runs_speed_is_its_measured_over_its_predicted_time_without_wake_ups():
+    rows = [{"measured_s": 0.012, "predicted_s": 0.010, "wake_s": 0.0},
+            {"measured_s": 0.030, "predicted_s": 0.025, "wake_s": 0.005}]  # fmt: skip
+    assert run_speed(rows) == pytest.approx((0.012 + 0.025) / (0.010 + 0.020))
+    assert run_speed([]) == 1.0  # nothing timed: no evidence of a speed
+
+
+def test_the_speed_adjusted_diagnostic_compares_the_mean_rerun_with_the_real_mean():
+    def summary(ttft: float) -> dict:
+        return {"classes": {c: {"count": 2, "ttft_s": {"mean": ttft},
+                                "turnaround_s": {"mean": 2 * ttft}} for c in CLASSES},
+                "throughput": {"jobs_per_s": 4.0}}  # fmt: skip
+
+    reals = [summary(1.2), summary(1.0)]
+    records = records_of("fcfs", 1.0, "light", reals, summary(0.8), None, None,
+                         [summary(1.1), summary(1.0)], [1.3, 1.1])  # fmt: skip
+    ttft = next(r for r in records if r["cls"] == "LS" and r["metric"] == "ttft_mean")
+    assert ttft["error_pct"] == pytest.approx(100 * (0.8 - 1.1) / 1.1)
+    assert ttft["sim_speed_adjusted"] == pytest.approx(1.05)
+    assert ttft["speed_adjusted_error_pct"] == pytest.approx(100 * (1.05 - 1.1) / 1.1)
+    assert (ttft["run_speed_min"], ttft["run_speed_max"]) == (1.1, 1.3)
+    line = summary_line(records)
+    assert line.endswith("; speed-adjusted (diagnostic): worst 4.5%, median 4.5%, 4 of 4 "
+                         "within 10%")  # fmt: skip
+    assert "adj err%" in table(records).splitlines()[0]
+    assert "speed" not in summary_line(records_of("fcfs", 1.0, "light", reals, summary(0.8)))
+
+
+def test_simulate_runs_the_profile_it_is_given(tmp_path):
+    """The speed-adjusted diagnostic hands ``simulate`` a scaled profile: it must be used,
+    not the one the config names."""
+    from sim import profiles
+    from sim.run import simulate
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["workload.num_requests=40", "policy=fcfs"])
+    base = profiles.load(cfg.profile.name, cfg.profile.path)
+    plain = simulate(cfg).summary["classes"]["all"]["turnaround_s"]["mean"]
+    same = simulate(cfg, profile=base).summary["classes"]["all"]["turnaround_s"]["mean"]
+    slow = simulate(cfg, profile=replace(base, interference=2 * base.interference))
+    assert same == plain
+    assert slow.summary["classes"]["all"]["turnaround_s"]["mean"] > 1.5 * plain
