@@ -71,6 +71,14 @@ op                        key columns (others are 0)     what was timed
                                                          of one token per sequence
 ``step_overhead``         batch_size                     per-iteration framework cost:
                                                          embeddings, input preparation, Python
+``engine_host``           batch_size                     optional: the serving engine's host
+                                                         time per iteration outside the
+                                                         model (admitting arrivals, the
+                                                         scheduler's selection and
+                                                         bookkeeping, starting the
+                                                         iteration), measured on the real
+                                                         engine (``qllm-validate``); charged
+                                                         with ``step_overhead``; absent: 0
 ``attn_chunk``            num_tokens, kv_tokens          optional: one sequence's prefill
                                                          chunk of num_tokens over kv_tokens
                                                          already cached (chunked prefill),
@@ -126,9 +134,11 @@ OPS: dict[str, tuple[str, ...]] = {
     "attn_chunk": ("num_tokens", "kv_tokens"),
     "preempt_switch": ("num_tokens",),
     "wake_up": ("idle_ms", "busy_ms"),
+    "engine_host": ("batch_size",),
 }
 OPTIONAL_OPS = frozenset(
-    {"attn_decode_bind", "attn_prefill_batch", "attn_chunk", "preempt_switch", "wake_up"}
+    {"attn_decode_bind", "attn_prefill_batch", "attn_chunk", "preempt_switch", "wake_up",
+     "engine_host"}
 )
 PREFILL_ATTENTION = ("per_prompt", "batched")
 # Ops whose samples repeat one shape (all layers of a few identical iterations). Expert points

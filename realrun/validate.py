@@ -60,6 +60,7 @@ PROG = "qllm-validate"
 CLASSES = (LS, BE, "all")
 METRICS = {"ttft_mean": "ttft_s", "turnaround_mean": "turnaround_s"}
 PREDICTION_DRAWS = 8  # routing draws averaged per predicted segment
+HOST_POLICY = "iteration"  # the engine_host calibration's scheduler (continuous batching)
 
 ConfigStore.instance().store(name="validate_schema", node=ValidateConfig)
 
@@ -122,6 +123,7 @@ class ProfileSource:
         self.info, self.name = info, f"{out.name}-profile"
         self.directory = (out / "profile").resolve()
         self.prof = None
+        self.extra: list = []
         path = cfg.profile.get("path")
         if path:
             profile, self.directory = profiles.load("", path), Path(path).resolve()
@@ -170,10 +172,19 @@ class ProfileSource:
             self.profile.save(self.directory)
         return self.profile
 
+    @property
+    def measuring(self) -> bool:
+        """Whether the profile is measured now (not read from ``profile.path``)."""
+        return self.prof is not None
+
+    def add_points(self, points: list) -> None:
+        """Points measured outside the profiler (``engine_host``): in the final profile."""
+        self.extra = list(points)
+
     def _build(self, points):
         from profiler.measure import build_profile
 
-        return build_profile(self.prof, self.info, self.name, points)
+        return build_profile(self.prof, self.info, self.name, [*points, *self.extra])
 
 
 def solo_service_s(latency, prompt_tokens: int, output_tokens: int, draws: int = 20) -> float:
@@ -308,10 +319,21 @@ def bucket(value: int, edges: tuple[int, ...]) -> str:
     return f">{edges[-1]}"
 
 
-def iteration_rows(policy: str, rate: float, replay: int, segments, latency) -> list[dict]:
+def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
+                   host=None) -> list[dict]:  # fmt: skip
+    """One row per executed segment: its shape, measured and predicted time (``latency``'s
+    plan for that batch), and the engine's host time just before it (``host_gap_s``, see
+    ``host_gaps``) beside what ``host`` (batch size -> seconds: the ``engine_host`` term)
+    predicts for it."""
     rows = []
     wake = None  # (idle seconds, busy seconds since) while the simulator would charge a wake-up
+    end_s = 0.0  # the last segment's end (the run's clock starts at 0)
     for seg in segments:
+        # the engine's host time before the segment: since the last one ended, less the idle
+        # time (admitting arrivals, the scheduler's selection and bookkeeping, starting the
+        # iteration), which no segment's time holds
+        host_gap_s = max(seg.start_s - end_s - seg.idle_s, 0.0)
+        end_s = seg.end_s
         if seg.idle_s > 0:
             wake = (seg.idle_s, 0.0)
         predicted_s, wake_s = predict_segment(latency, seg, wake=wake or (0.0, 0.0))
@@ -327,6 +349,8 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency) -> 
                      "phase": seg.phase, "size": len(seg.shape), "tokens": phase_tokens,
                      "start_cursor": seg.start_cursor, "end_cursor": seg.end_cursor,
                      "kind": kind, "bound": seg.bound, "idle_s": seg.idle_s,
+                     "start_s": seg.start_s, "host_gap_s": host_gap_s,
+                     "host_predicted_s": host(len(seg.shape)) if host else 0.0,
                      "measured_s": measured_s,
                      "predicted_s": predicted_s, "wake_s": wake_s,
                      "error_pct": 100 * (predicted_s - measured_s) / measured_s
@@ -338,7 +362,8 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
     """The per-iteration error by group: phase x batch size, phase x tokens (prefill: prompt
     tokens; decode: longest context), segment kind, whether an idle gap came before, and
     whether a decode iteration bound a new padded KV (a new batch) or reused the last one;
-    and each real run (policy@rate#replay), whose summed-time error shows the drift of the
+    the engine's host time between segments against ``engine_host`` ("engine host": not
+    part of the other groups, whose segments hold none); and each real run (policy@rate#replay), whose summed-time error shows the drift of the
     machine from replay to replay.
     ``time_error_pct`` compares the group's summed predicted and measured time (what a run's
     makespan sees); ``median_error_pct`` is the typical iteration's."""
@@ -369,7 +394,22 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
                     "time_error_pct": 100 * (predicted - measured) / measured,
                     "measured_ms_median": 1e3 * statistics.median(m["measured_s"]
                                                                   for m in members)})  # fmt: skip
-    order = {"all": 0, "segment": 3, "after idle": 4, "decode KV": 5, "mixed KV": 5, "run": 6}
+    # the engine's host time between segments against engine_host (not in the rows above)
+    hosts = [r for r in rows if r.get("host_predicted_s") and r.get("host_gap_s", 0) > 0]
+    if hosts:
+        errors = sorted(100 * (r["host_predicted_s"] - r["host_gap_s"]) / r["host_gap_s"]
+                        for r in hosts)  # fmt: skip
+        measured = sum(r["host_gap_s"] for r in hosts)
+        predicted = sum(r["host_predicted_s"] for r in hosts)
+        out.append({"by": "engine host", "value": "all", "n": len(hosts),
+                    "median_error_pct": statistics.median(errors),
+                    "p10_error_pct": errors[int(0.1 * (len(errors) - 1))],
+                    "p90_error_pct": errors[int(0.9 * (len(errors) - 1))],
+                    "time_error_pct": 100 * (predicted - measured) / measured,
+                    "measured_ms_median": 1e3 * statistics.median(r["host_gap_s"]
+                                                                  for r in hosts)})  # fmt: skip
+    order = {"all": 0, "segment": 3, "after idle": 4, "decode KV": 5, "mixed KV": 5,
+             "engine host": 6, "run": 7}
     out.sort(key=lambda g: (order.get(g["by"], 1 if g["by"].startswith("prefill") else 2),
                             g["by"], _bucket_key(g["value"])))  # fmt: skip
     return out
@@ -484,6 +524,74 @@ def drift_warning(records: list[dict]) -> str | None:
             f"may be the machine's, not the model's")  # fmt: skip
 
 
+# The engine's host time calibration (``engine_host``): a burst of requests, one per batch
+# slot, all at once, the i-th generating HOST_STEPS * i tokens, so that decode batches of
+# every size from the largest down to 1 run HOST_STEPS times each; HOST_ROUNDS times.
+HOST_STEPS = 3
+HOST_ROUNDS = 3
+HOST_PROMPT_TOKENS = 16
+
+
+def host_gaps(segments) -> list[tuple[int, float]]:
+    """(batch size, host seconds before it) of every segment after a run's first (whose gap
+    holds the run's own start): the time since the last segment ended, less the time the
+    engine sat idle, which no segment holds."""
+    gaps, end_s = [], None
+    for seg in segments:
+        if end_s is not None:
+            gaps.append((len(seg.shape), max(seg.start_s - end_s - seg.idle_s, 0.0)))
+        end_s = seg.end_s
+    return gaps
+
+
+def fit_host(gaps: list[tuple[int, float]]) -> list:
+    """``engine_host`` points: a line a + b * batch size (both >= 0) fitted by least squares
+    through the median gap at each batch size, given at the smallest and largest size (the
+    latency model interpolates between them and extrapolates the slope)."""
+    from profiler.schema import OpPoint
+
+    by_size: dict[int, list[float]] = {}
+    for size, gap in gaps:
+        by_size.setdefault(size, []).append(gap)
+    sizes = sorted(by_size)
+    if not sizes:
+        return []
+    medians = [statistics.median(by_size[b]) for b in sizes]
+    if len(sizes) == 1:
+        slope, intercept = 0.0, medians[0]
+    else:
+        slope, intercept = statistics.linear_regression(sizes, medians)
+        if slope < 0:
+            slope, intercept = 0.0, statistics.fmean(medians)
+        elif intercept < 0:  # through the origin
+            slope, intercept = sum(b * m for b, m in zip(sizes, medians, strict=True)) / sum(
+                b * b for b in sizes), 0.0  # fmt: skip
+    return [OpPoint("engine_host", batch_size=b, median_ms=1e3 * (intercept + slope * b),
+                    p90_ms=1e3 * (intercept + slope * b))
+            for b in dict.fromkeys((sizes[0], sizes[-1]))]  # fmt: skip
+
+
+def measure_engine_host(runner, sim_cfg, profile, largest_batch: int, clock: ClockKind,
+                        seed: int) -> tuple[list, list[tuple[int, float]]]:  # fmt: skip
+    """The real engine's host time per iteration (``engine_host`` points, and the gaps they
+    were fitted to), measured on a burst of its own (``HOST_*``; not the validation's
+    requests) under ``sim_cfg``'s policy, on the runs' clock."""
+    from realrun.prompts import random_ids
+    from realrun.run import execute, make_clock
+    from sim.run import build_scheduler
+
+    vocab = runner.config.vocab_size
+    requests = [Request(i, LS if i % 2 else BE, 0.0, HOST_PROMPT_TOKENS, HOST_STEPS * (i + 1))
+                for i in range(largest_batch)]  # fmt: skip
+    prompts = {r.id: random_ids(HOST_PROMPT_TOKENS, vocab, seed + 7919, r.id) for r in requests}
+    gaps = []
+    for _ in range(HOST_ROUNDS):
+        real = execute(requests, prompts, build_scheduler(sim_cfg, profile), runner,
+                       sim_cfg.slo, make_clock(clock))  # fmt: skip
+        gaps += host_gaps(real.result.segments)
+    return fit_host(gaps), gaps
+
+
 def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     """The whole comparison; needs Hydra initialized with CONF_DIR (the app or a test)."""
     check(cfg)
@@ -531,6 +639,14 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     reference_s = (statistics.median(probe() for _ in range(PROBE_REFERENCES))
                    if probe is not None else None)  # fmt: skip
     duty = duty_slowdown(runner, ClockKind(cfg.clock), cfg.seed)
+    if source.measuring:  # a given profile (profile.path) is used as it is
+        host_cfg = sim_config(cfg, HOST_POLICY, source.directory)
+        host_points, _ = measure_engine_host(runner, host_cfg, profile, largest_batch,
+                                             ClockKind(cfg.clock), cfg.seed)  # fmt: skip
+        source.add_points(host_points)
+        print("engine host time per iteration (engine_host): "
+              + ", ".join(f"{p.median_ms * 1e3:.0f} us at batch {p.batch_size}"
+                          for p in host_points))  # fmt: skip
     cases = [(u, rate, policy) for u, rate in zip(cfg.utilizations, rates, strict=True)
              for policy in cfg.policies]  # fmt: skip
     workloads = []
@@ -558,11 +674,21 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
           f"{100 * (profile.interference - 1):+.1f}% over its shape's median, on average; "
           f"the simulator scales its iterations by it")  # fmt: skip
     records, rows = [], []
+    segment_profile = dataclasses.replace(
+        profile, points=[p for p in profile.points if p.op != "engine_host"])  # fmt: skip
+    host_points = profile.op_points("engine_host")
+    host = None
+    if host_points:
+        from sim.latency import Curve1D
+
+        curve = Curve1D(host_points, "batch_size")
+        host = lambda size: curve.scalar(size) * profile.interference  # noqa: E731
     for i, (u, rate, policy) in enumerate(cases):
-        predictor = build_latency(sims[policy], profile)
+        # a segment holds no host time between iterations: predicted without engine_host
+        predictor = build_latency(sims[policy], segment_profile)
         speeds, adjusted = [], []
         for replay, (_, segments) in enumerate(reals[i]):
-            replay_rows = iteration_rows(policy, rate, replay, segments, predictor)
+            replay_rows = iteration_rows(policy, rate, replay, segments, predictor, host)
             rows += replay_rows
             speeds.append(run_speed(replay_rows))
             scaled = dataclasses.replace(profile, interference=profile.interference * speeds[-1])

@@ -501,6 +501,19 @@ class WakeUp:
         return y0 + (y1 - y0) * (idle_ms - xs[i]) / (xs[i + 1] - xs[i])
 
 
+def overhead_points(profile: Profile) -> list[OpPoint]:
+    """``step_overhead`` with the engine's host time (``engine_host``, optional) added at
+    every batch size either has a point at: both are charged once per iteration."""
+    overhead = profile.op_points("step_overhead")
+    host = profile.op_points("engine_host")
+    if not host:
+        return overhead
+    sizes = sorted({p.batch_size for p in overhead} | {p.batch_size for p in host})
+    total = (Curve1D(overhead, "batch_size")(sizes) + Curve1D(host, "batch_size")(sizes)) * 1e3
+    return [OpPoint("step_overhead", batch_size=b, median_ms=float(t), p90_ms=float(t))
+            for b, t in zip(sizes, total, strict=True)]  # fmt: skip
+
+
 class LatencyModel:
     """Plans iterations from a profile (per-layer op times) and a routing model.
 
@@ -545,7 +558,7 @@ class LatencyModel:
         self._expert_table = np.where(grid > 0, np.interp(grid, self.expert.x, self.expert.y),
                                       self.expert_idle_s)  # fmt: skip
         self.lm_head = Curve1D(profile.op_points("lm_head"), "batch_size")
-        self.overhead = Curve1D(profile.op_points("step_overhead"), "batch_size")
+        self.overhead = Curve1D(overhead_points(profile), "batch_size")
         self.prefill_attention = prefill_attention or profile.prefill_attention
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"must be one of {list(PREFILL_ATTENTION)}")

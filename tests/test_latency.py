@@ -278,3 +278,32 @@ def test_interference_scales_every_iteration_op_but_not_the_wake_up():
                  for p in (base, slow)]  # fmt: skip
         assert plans[1].total_s == pytest.approx(1.1 * plans[0].total_s)
     assert LatencyModel(slow).wake_s(0.2) == LatencyModel(base).wake_s(0.2) == 0.020
+
+
+def test_the_engines_host_time_is_charged_once_per_iteration_by_batch_size(tmp_path):
+    """``engine_host`` (the real engine's time between iterations) adds to every plan's
+    overhead, interpolated by batch size, decode runs included; saved and loaded with the
+    profile; absent, nothing changes."""
+    host = [OpPoint("engine_host", batch_size=1, median_ms=0.1, p90_ms=0.1),
+            OpPoint("engine_host", batch_size=33, median_ms=0.9, p90_ms=0.9)]  # fmt: skip
+    base = linear_profile()
+    timed = with_points(base, *host)
+    timed.save(tmp_path / "p")
+    loaded = Profile.load(tmp_path / "p")
+    assert loaded.op_points("engine_host") == host
+    for size, extra_ms in ((1, 0.1), (17, 0.5), (33, 0.9), (49, 1.3)):  # 49: the slope on
+        batch = Batch([decoding(i, 30) for i in range(size)], Phase.DECODE)
+        plans = [LatencyModel(p, RoutingModel(p.model.num_layers, p.model.num_experts,
+                                                p.model.top_k, seed=0)).plan(batch)
+                 for p in (base, loaded)]  # fmt: skip
+        assert plans[1].overhead_s - plans[0].overhead_s == pytest.approx(extra_ms / 1e3)
+        assert plans[1].total_s - plans[0].total_s == pytest.approx(extra_ms / 1e3)
+    # a fast-forwarded run's later iterations carry it too
+    batch = Batch([decoding(i, 30) for i in range(17)], Phase.DECODE)
+    runs = []
+    for p in (base, loaded):
+        model = LatencyModel(p, RoutingModel(p.model.num_layers, p.model.num_experts,
+                                             p.model.top_k, seed=0))  # fmt: skip
+        batch.plan = model.plan(batch)
+        runs.append(model.decode_run(batch, 5).totals_s)
+    assert runs[1] - runs[0] == pytest.approx(np.full(5, 0.5e-3))

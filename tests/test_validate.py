@@ -33,6 +33,8 @@ from realrun.validate import (
     covering_grid,
     drift_warning,
     duty_warning,
+    fit_host,
+    host_gaps,
     iteration_rows,
     page_fault_warning,
     predict_segment,
@@ -89,7 +91,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
         records, out = run_validation(cfg)
     # a pass of the profile before the first round of replays (2 policies x 2 rates) and
     # after each: the profile samples the stretch of time the runs do
-    assert order == ["pass", *["run"] * 4, "pass", *["run"] * 4, "pass"]
+    # (the first three runs: the engine's host-time calibration, HOST_ROUNDS bursts)
+    assert order == ["pass", *["run"] * (3 + 4), "pass", *["run"] * 4, "pass"]
     assert "in 3 passes" in json.loads((out / "profile" / "profile.json").read_text())[
         "calibration"]  # fmt: skip
     assert out == tmp_path / "small"
@@ -126,6 +129,11 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
             assert 0 <= r["real_page_faults"] <= PAGE_FAULT_WARNING
     assert any(r["real_min"] < r["real_max"] and r["real_cv_pct"] > 0 for r in records)
     ops = pd.read_csv(out / "profile" / "ops.csv")
+    # the engine's host time per iteration, measured on a burst of its own: two points of
+    # a line that does not fall with the batch size
+    host = ops[ops["op"] == "engine_host"].sort_values("batch_size")
+    assert list(host["batch_size"]) == [1, 10] and (host["median_ms"] > 0).all()
+    assert host["median_ms"].is_monotonic_increasing
     wake = ops[ops["op"] == "wake_up"]
     assert sorted(set(wake["idle_ms"])) == [0, 5, 40]
     for idle_ms in (5, 40):  # what is left of the wake-up, by the work done since
@@ -141,6 +149,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
         100 * (segments["predicted_s"] - segments["measured_s"]) / segments["measured_s"],
         rel=1e-3, abs=1e-3)  # fmt: skip
     assert {"prefill", "decode"} <= set(segments["phase"])
+    assert (segments["host_gap_s"] >= 0).all() and (segments["host_predicted_s"] > 0).all()
+    assert segments["host_gap_s"].median() > 0  # the engine's own time between segments
     # a run's decode iterations both bind new batches' KV and reuse the last one's
     decode = segments[segments["phase"] == "decode"]
     assert set(decode["bound"]) == {True, False}
@@ -160,6 +170,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
         assert g["n"] == len(mine) and g["time_error_pct"] == pytest.approx(
             100 * (mine["predicted_s"].sum() / mine["measured_s"].sum() - 1), abs=0.01
         )  # the csv keeps 6 significant digits
+    host_group = next(g for g in groups if g["by"] == "engine host")
+    assert 0 < host_group["n"] < len(segments)  # not a run's first segment
     kv = {g["value"]: g["n"] for g in groups if g["by"] == "decode KV"}
     assert kv == {"bound": decode["bound"].sum(), "reused": (~decode["bound"]).sum()}
     assert everything["time_error_pct"] == pytest.approx(
@@ -390,3 +402,26 @@ def test_simulate_runs_the_profile_it_is_given(tmp_path):
     slow = simulate(cfg, profile=replace(base, interference=2 * base.interference))
     assert same == plain
     assert slow.summary["classes"]["all"]["turnaround_s"]["mean"] > 1.5 * plain
+
+
+def test_the_engines_host_time_is_the_gap_between_segments_less_idle_time():
+    segs = [Segment(0, "prefill", [("prefill", 8, 0)] * 2, 0, 9, 0.010, 0.030, 0.010, False),
+            Segment(1, "decode", [("decode", 1, 9)] * 2, 0, 9, 0.0302, 0.040, 0.0, False),
+            Segment(2, "decode", [("decode", 1, 9)], 0, 9, 0.1405, 0.150, 0.1, False)]  # fmt: skip
+    gaps = host_gaps(segs)
+    assert [size for size, _ in gaps] == [2, 1]  # the first segment's gap is the run's start
+    assert [gap for _, gap in gaps] == pytest.approx([0.0002, 0.0005])
+
+
+def test_the_host_time_line_is_fitted_through_the_median_at_each_batch_size():
+    # 20 us + 5 us per sequence, with an outlier at each size that the median ignores
+    gaps = [(b, (20 + 5 * b) * 1e-6) for b in (1, 2, 4, 8) for _ in range(3)]
+    gaps += [(b, 1e-3) for b in (1, 2, 4, 8)]
+    points = fit_host(gaps)
+    assert [(p.op, p.batch_size) for p in points] == [("engine_host", 1), ("engine_host", 8)]
+    assert [p.median_ms for p in points] == pytest.approx([0.025, 0.060])
+    # a falling line is not believed: the mean, flat
+    flat = fit_host([(1, 3e-5), (8, 1e-5)])
+    assert [p.median_ms for p in flat] == pytest.approx([0.02, 0.02])
+    assert [p.median_ms for p in fit_host([(4, 5e-5)])] == pytest.approx([0.05])
+    assert fit_host([]) == []
