@@ -141,8 +141,12 @@ def test_rerun_of_an_interrupted_sweep_runs_only_the_unfinished_run(sweep, tmp_p
     after = {p.parent.name: p.stat().st_mtime_ns for p in copy.glob("*/summary.json")}
     assert set(after) == set(before)
     assert [name for name in after if after[name] != before[name]] == [lost]
+    # the mtimes above are the evidence that the others were skipped; their lines come from
+    # the joblib workers, and once in a full suite one of seven did not reach the captured
+    # stdout: the lines are checked for the lost run's absence, not counted exactly
     skipped = [ln for ln in r.stdout.splitlines() if ln.startswith("skipping finished run")]
-    assert len(skipped) == len(before) - 1 and not any(ln.endswith(lost) for ln in skipped)
+    assert 1 <= len(skipped) <= len(before) - 1
+    assert not any(ln.endswith(lost) for ln in skipped)
 
 
 def _table(ttft: dict, *, ls_turn=None, be_turn=None, jobs=None, attain=None) -> pd.DataFrame:
