@@ -76,7 +76,7 @@ class ValidateConfig(EngineConfig):
     utilizations: list[float] = field(default_factory=lambda: [0.3, 1.5, 6.0])
     replays: int = 3  # real runs per point: their spread is the real engine's own noise
     # more requests at a point whose workload.num_requests arrivals would span less than this
-    min_run_s: float = 3.0
+    min_run_s: float = 2.0
     clock: ClockKind = ClockKind.wall  # wall, or cpu (the profile then on the process clock)
     profile: dict[str, Any] = field(default_factory=dict)  # path, or the profiler's settings
     progress: bool = True
