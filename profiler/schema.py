@@ -137,8 +137,14 @@ OPS: dict[str, tuple[str, ...]] = {
     "engine_host": ("batch_size",),
 }
 OPTIONAL_OPS = frozenset(
-    {"attn_decode_bind", "attn_prefill_batch", "attn_chunk", "preempt_switch", "wake_up",
-     "engine_host"}
+    {
+        "attn_decode_bind",
+        "attn_prefill_batch",
+        "attn_chunk",
+        "preempt_switch",
+        "wake_up",
+        "engine_host",
+    }
 )
 PREFILL_ATTENTION = ("per_prompt", "batched")
 # Ops whose samples repeat one shape (all layers of a few identical iterations). Expert points

@@ -259,7 +259,7 @@ def records_of(
         if reals[0]["classes"][cls]["count"] == 0:
             continue
         for metric, key in METRICS.items():
-            add(cls, metric, lambda summary: summary["classes"][cls][key]["mean"])
+            add(cls, metric, lambda summary, c=cls, k=key: summary["classes"][c][k]["mean"])
     add("all", "throughput_jobs", lambda summary: summary["throughput"]["jobs_per_s"])
     return rows
 
@@ -367,8 +367,9 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
     tokens; decode: longest context), segment kind, whether an idle gap came before, and
     whether a decode iteration bound a new padded KV (a new batch) or reused the last one;
     the engine's host time between segments against ``engine_host`` ("engine host": not
-    part of the other groups, whose segments hold none); and each real run (policy@rate#replay), whose summed-time error shows the drift of the
-    machine from replay to replay.
+    part of the other groups, whose segments hold none); and each real run
+    (policy@rate#replay), whose summed-time error shows the drift of the machine from replay
+    to replay.
     ``time_error_pct`` compares the group's summed predicted and measured time (what a run's
     makespan sees); ``median_error_pct`` is the typical iteration's."""
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -412,8 +413,15 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
                     "time_error_pct": 100 * (predicted - measured) / measured,
                     "measured_ms_median": 1e3 * statistics.median(r["host_gap_s"]
                                                                   for r in hosts)})  # fmt: skip
-    order = {"all": 0, "segment": 3, "after idle": 4, "decode KV": 5, "mixed KV": 5,
-             "engine host": 6, "run": 7}
+    order = {
+        "all": 0,
+        "segment": 3,
+        "after idle": 4,
+        "decode KV": 5,
+        "mixed KV": 5,
+        "engine host": 6,
+        "run": 7,
+    }
     out.sort(key=lambda g: (order.get(g["by"], 1 if g["by"].startswith("prefill") else 2),
                             g["by"], _bucket_key(g["value"])))  # fmt: skip
     return out
@@ -772,8 +780,8 @@ def summary_line(records: list[dict]) -> str:
     drift = f"; machine drift {min(drifts):+.1f}%..{max(drifts):+.1f}%" if drifts else ""
     duty = next((d for r in records if (d := r.get("duty_slowdown")) is not None), None)
     drift += f"; duty-cycle slowdown {duty:.2f}x" if duty is not None else ""
-    adjusted = [abs(r["speed_adjusted_error_pct"]) for r in records
-                if r["cls"] != "all" and math.isfinite(r.get("speed_adjusted_error_pct", math.nan))]  # fmt: skip
+    adjusted = [abs(e) for r in records if r["cls"] != "all"
+                and math.isfinite(e := r.get("speed_adjusted_error_pct", math.nan))]  # fmt: skip
     if adjusted:
         drift += (f"; speed-adjusted (diagnostic): worst {max(adjusted):.1f}%, median "
                   f"{statistics.median(adjusted):.1f}%, {sum(e <= 10 for e in adjusted)} of "

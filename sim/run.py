@@ -15,8 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from policies.memory import build_memory
-from profiler.schema import Profile
 from policies.scheduler import CapacityError, Policy, Scheduler
+from profiler.schema import Profile
 from sim import profiles
 from sim.cluster import ROUTERS, Cluster, replica_stats
 from sim.config import MemoryConfig, UserError, validate
@@ -110,8 +110,8 @@ def build_latency(cfg: Any, profile, replica: int = 0) -> LatencyModel:
         raise UserError(f"profile.prefill_attention={prefill}: {e}") from None
 
 
-def simulate(cfg: Any, requests=None, record_trace: bool = False,
-             keep_sequences: bool = False, profile: Profile | None = None) -> RunOutput:  # fmt: skip
+def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences: bool = False,
+             profile: Profile | None = None) -> RunOutput:  # fmt: skip
     """Run ``requests`` (None: the config's workload, streamed: its requests are made as
     they arrive) and fold each request into the outputs as it finishes. ``keep_sequences``:
     also keep every Sequence object in ``result.sequences`` (tests compare them; a long run
