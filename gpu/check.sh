@@ -7,8 +7,8 @@
 # Steps, each under its own time limit and all under one deadline (QLLM_CHECK_BUDGET_S, 470 s):
 #   env        nvidia-smi, versions                                       -> env.json
 #   smoke      tokens equal generate in float64 on CUDA, two families, bf16 -> smoke.json
-#   validate   Mixtral-8x7B shape (random bf16 weights) profiled on a reduced grid (wake-up
-#              cost included), then sim vs real (iteration, qllm; 24 synthetic requests;
+#   validate   Mixtral-8x7B shape (random bf16 weights) profiled on a reduced grid (wake-up,
+#              the engine's host time), then sim vs real (iteration, qllm; 24 synthetic requests;
 #              utilization 0.6, 2, 6; two real replays each), per-iteration errors
 #                                            -> validation.json, iteration_errors.json
 #   compare    the measured profile op by op against the analytic h200-mixtral-bf16
@@ -79,7 +79,7 @@ step() {  # step NAME LIMIT_S JSON_FILE CMD...: run CMD under its limit, log to 
 
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu MODEL=tiny-mixtral NAME=tiny-mixtral-dry
-  VALIDATE_ARGS=(threads=1 workload.num_requests=8 utilizations=[1.0] replays=2
+  VALIDATE_ARGS=(threads=1 workload.num_requests=8 utilizations=[1.0] replays=2 min_run_s=0
     profile.wake.idle_ms=[5,50] profile.wake.repeats=1
     workload.prompt.tokens=16 workload.prompt.max=32 workload.output.tokens=4 workload.output.max=6
     profile.grid.prefill_tokens=[8,32] profile.grid.decode_batch=[1,4] profile.grid.decode_kv=[16,40]
@@ -93,7 +93,8 @@ else
   # Lengths of a chat-like mix, cut to fit: 24 requests, outputs ~16 tokens. Loads 0.6, 2 and 6
   # (of a one-request-at-a-time server): light (an idle H200 clocks down to 345 MHz: the
   # profile's wake_up), near the knee, overloaded; two real replays per point.
-  VALIDATE_ARGS=(threads=null workload.num_requests=24 utilizations=[0.6,2.0,6.0] replays=2
+  # min_run_s=0: the points keep 24 requests, as the check's time limits were sized for
+  VALIDATE_ARGS=(threads=null workload.num_requests=24 utilizations=[0.6,2.0,6.0] replays=2 min_run_s=0
     workload.prompt.tokens=128 workload.prompt.sigma=0.6 workload.prompt.min=16 workload.prompt.max=512
     workload.output.tokens=16 workload.output.sigma=0.5 workload.output.min=4 workload.output.max=48
     max_prompt_tokens=512
