@@ -362,6 +362,21 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
     return rows
 
 
+def error_group(by: str, value: str, predicted: list[float], measured: list[float]) -> dict | None:
+    """One group of ``iteration_errors``: the error of each member (predicted against measured
+    seconds; members measured at 0 left out of the distribution), its median, p10 and p90, the
+    summed-time error and the median measured time; None when no member has an error."""
+    errors = sorted(100 * (p - m) / m for p, m in zip(predicted, measured, strict=True) if m > 0)
+    if not errors:
+        return None
+    return {"by": by, "value": value, "n": len(measured),
+            "median_error_pct": statistics.median(errors),
+            "p10_error_pct": errors[int(0.1 * (len(errors) - 1))],
+            "p90_error_pct": errors[int(0.9 * (len(errors) - 1))],
+            "time_error_pct": 100 * (sum(predicted) - sum(measured)) / sum(measured),
+            "measured_ms_median": 1e3 * statistics.median(measured)}  # fmt: skip
+
+
 def iteration_errors(rows: list[dict]) -> list[dict]:
     """The per-iteration error by group: phase x batch size, phase x tokens (prefill: prompt
     tokens; decode: longest context), segment kind, whether an idle gap came before, and
@@ -387,32 +402,15 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
             groups.setdefault(key, []).append(r)
     out = []
     for (by, value), members in groups.items():
-        errors = sorted(m["error_pct"] for m in members if math.isfinite(m["error_pct"]))
-        if not errors:
-            continue
-        measured = sum(m["measured_s"] for m in members)
-        predicted = sum(m["predicted_s"] for m in members)
-        out.append({"by": by, "value": value, "n": len(members),
-                    "median_error_pct": statistics.median(errors),
-                    "p10_error_pct": errors[int(0.1 * (len(errors) - 1))],
-                    "p90_error_pct": errors[int(0.9 * (len(errors) - 1))],
-                    "time_error_pct": 100 * (predicted - measured) / measured,
-                    "measured_ms_median": 1e3 * statistics.median(m["measured_s"]
-                                                                  for m in members)})  # fmt: skip
+        group = error_group(by, value, [m["predicted_s"] for m in members],
+                            [m["measured_s"] for m in members])  # fmt: skip
+        if group is not None:
+            out.append(group)
     # the engine's host time between segments against engine_host (not in the rows above)
     hosts = [r for r in rows if r.get("host_predicted_s") and r.get("host_gap_s", 0) > 0]
     if hosts:
-        errors = sorted(100 * (r["host_predicted_s"] - r["host_gap_s"]) / r["host_gap_s"]
-                        for r in hosts)  # fmt: skip
-        measured = sum(r["host_gap_s"] for r in hosts)
-        predicted = sum(r["host_predicted_s"] for r in hosts)
-        out.append({"by": "engine host", "value": "all", "n": len(hosts),
-                    "median_error_pct": statistics.median(errors),
-                    "p10_error_pct": errors[int(0.1 * (len(errors) - 1))],
-                    "p90_error_pct": errors[int(0.9 * (len(errors) - 1))],
-                    "time_error_pct": 100 * (predicted - measured) / measured,
-                    "measured_ms_median": 1e3 * statistics.median(r["host_gap_s"]
-                                                                  for r in hosts)})  # fmt: skip
+        out.append(error_group("engine host", "all", [r["host_predicted_s"] for r in hosts],
+                               [r["host_gap_s"] for r in hosts]))  # fmt: skip
     order = {
         "all": 0,
         "segment": 3,
