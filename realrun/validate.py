@@ -331,13 +331,7 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
     predicts for it."""
     rows = []
     wake = None  # (idle seconds, busy seconds since) while the simulator would charge a wake-up
-    end_s = 0.0  # the last segment's end (the run's clock starts at 0)
-    for seg in segments:
-        # the engine's host time before the segment: since the last one ended, less the idle
-        # time (admitting arrivals, the scheduler's selection and bookkeeping, starting the
-        # iteration), which no segment's time holds
-        host_gap_s = max(seg.start_s - end_s - seg.idle_s, 0.0)
-        end_s = seg.end_s
+    for seg, host_gap_s in zip(segments, host_gaps(segments), strict=True):
         if seg.idle_s > 0:
             wake = (seg.idle_s, 0.0)
         predicted_s, wake_s = predict_segment(latency, seg, wake=wake or (0.0, 0.0))
@@ -353,7 +347,8 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
                      "phase": seg.phase, "size": len(seg.shape), "tokens": phase_tokens,
                      "start_cursor": seg.start_cursor, "end_cursor": seg.end_cursor,
                      "kind": kind, "bound": seg.bound, "idle_s": seg.idle_s,
-                     "start_s": seg.start_s, "host_gap_s": host_gap_s,
+                     "start_s": seg.start_s,
+                     "host_gap_s": math.nan if host_gap_s is None else host_gap_s,
                      "host_predicted_s": host(len(seg.shape)) if host else 0.0,
                      "measured_s": measured_s,
                      "predicted_s": predicted_s, "wake_s": wake_s,
@@ -408,6 +403,7 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
             out.append(group)
     # the engine's host time between segments against engine_host (not in the rows above)
     hosts = [r for r in rows if r.get("host_predicted_s") and r.get("host_gap_s", 0) > 0]
+    # (a run's first segment has no gap: NaN, left out by the comparison)
     if hosts:
         out.append(error_group("engine host", "all", [r["host_predicted_s"] for r in hosts],
                                [r["host_gap_s"] for r in hosts]))  # fmt: skip
@@ -542,14 +538,14 @@ HOST_ROUNDS = 3
 HOST_PROMPT_TOKENS = 16
 
 
-def host_gaps(segments) -> list[tuple[int, float]]:
-    """(batch size, host seconds before it) of every segment after a run's first (whose gap
-    holds the run's own start): the time since the last segment ended, less the time the
-    engine sat idle, which no segment holds."""
+def host_gaps(segments) -> list[float | None]:
+    """Per segment, the engine's host seconds just before it: the time since the last segment
+    ended, less the time the engine sat idle, which no segment holds (admitting arrivals, the
+    scheduler's selection and bookkeeping, starting the iteration); None for a run's first
+    segment, whose gap holds the run's own start."""
     gaps, end_s = [], None
     for seg in segments:
-        if end_s is not None:
-            gaps.append((len(seg.shape), max(seg.start_s - end_s - seg.idle_s, 0.0)))
+        gaps.append(None if end_s is None else max(seg.start_s - end_s - seg.idle_s, 0.0))
         end_s = seg.end_s
     return gaps
 
@@ -582,10 +578,10 @@ def fit_host(gaps: list[tuple[int, float]]) -> list:
 
 
 def measure_engine_host(runner, sim_cfg, profile, largest_batch: int, clock: ClockKind,
-                        seed: int) -> tuple[list, list[tuple[int, float]]]:  # fmt: skip
-    """The real engine's host time per iteration (``engine_host`` points, and the gaps they
-    were fitted to), measured on a burst of its own (``HOST_*``; not the validation's
-    requests) under ``sim_cfg``'s policy, on the runs' clock."""
+                        seed: int) -> list:  # fmt: skip
+    """The real engine's host time per iteration (``engine_host`` points), measured on a burst
+    of its own (``HOST_*``; not the validation's requests) under ``sim_cfg``'s policy, on the
+    runs' clock."""
     from realrun.prompts import random_ids
     from realrun.run import execute, make_clock
     from sim.run import build_scheduler
@@ -598,8 +594,10 @@ def measure_engine_host(runner, sim_cfg, profile, largest_batch: int, clock: Clo
     for _ in range(HOST_ROUNDS):
         real = execute(requests, prompts, build_scheduler(sim_cfg, profile), runner,
                        sim_cfg.slo, make_clock(clock))  # fmt: skip
-        gaps += host_gaps(real.result.segments)
-    return fit_host(gaps), gaps
+        segments = real.result.segments
+        pairs = zip(segments, host_gaps(segments), strict=True)
+        gaps += [(len(seg.shape), gap) for seg, gap in pairs if gap is not None]
+    return fit_host(gaps)
 
 
 def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
@@ -667,8 +665,8 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     duty = duty_slowdown(runner, ClockKind(cfg.clock), cfg.seed)
     if source.measuring:  # a given profile (profile.path) is used as it is
         host_cfg = sim_config(cfg, HOST_POLICY, source.directory)
-        host_points, _ = measure_engine_host(runner, host_cfg, profile, largest_batch,
-                                             ClockKind(cfg.clock), cfg.seed)  # fmt: skip
+        host_points = measure_engine_host(runner, host_cfg, profile, largest_batch,
+                                          ClockKind(cfg.clock), cfg.seed)  # fmt: skip
         source.add_points(host_points)
         print("engine host time per iteration (engine_host): "
               + ", ".join(f"{p.median_ms * 1e3:.0f} us at batch {p.batch_size}"
