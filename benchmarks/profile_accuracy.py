@@ -83,7 +83,8 @@ def main() -> None:
     print(f"profiled tiny-mixtral in {time.perf_counter() - t:.1f} s")
     shape = profile.model
     routing = RoutingModel(shape.num_layers, shape.num_experts, shape.top_k, mode="profile",
-                           expert_load=profile.expert_load)  # fmt: skip
+                           expert_load=profile.expert_load,
+                           prompt_experts=profile.prompt_experts)  # fmt: skip
     latency = LatencyModel(profile, routing)
 
     runner = ModelRunner(model)

@@ -101,7 +101,7 @@ else
     profile.grid.prefill_tokens=[16,64,128,256,512] profile.grid.decode_batch=[1,4,8,16,32]
     profile.grid.decode_kv=[128,512]
     profile.grid.expert_tokens=[1,2,4,8,16,32,64,128,256,512,1024]
-    profile.repeats=6 profile.warmup=2 profile.routing.prompts=8 profile.routing.prompt_tokens=128)
+    profile.repeats=6 profile.warmup=2 profile.routing.prompts=8 profile.routing.prompt_tokens=512)
   PREEMPTION_ARGS=(--be 8 --be-prompt 128 --be-output 100 --ls 12 --ls-rate 5 --ls-after-s 0.5)
   LIMITS=(30 90 360 30 110 90)
 fi

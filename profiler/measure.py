@@ -483,19 +483,31 @@ class Profiler:
                                p90_ms=p90))  # fmt: skip
         return pts
 
-    def expert_load(self, prompts: list[list[int]]) -> list[list[float]]:
-        """Fraction of each layer's token-to-expert assignments per expert, from real
-        prefills of ``prompts`` (a dense layer, which routes nothing, gets a uniform row)."""
+    def routing_stats(
+        self, prompts: list[list[int]]
+    ) -> tuple[list[list[float]], list[list[list[int]]]]:
+        """From real prefills of ``prompts``: (``expert_load``, ``prompt_experts``). The load is
+        the fraction of each layer's token-to-expert assignments per expert (a dense layer,
+        which routes nothing, gets a uniform row); the prompt experts, per prompt and layer,
+        the expert ids each token picked, token by token (empty for a dense layer)."""
         r = self.runner
         counts = np.zeros((r.num_layers, r.num_experts))
+        traces = []
         for p in prompts:
+            trace: list[list[int]] = [[] for _ in range(r.num_layers)]
             state = r.begin([r.new_sequence(p)])
             while not state.done:
                 ref = r.step(state)
                 if ref.stage == "router" and state.routing is not None:
-                    counts[ref.layer] += state.routing.counts
+                    routing = state.routing
+                    counts[ref.layer] += routing.counts
+                    # queue entries are sorted by expert: each token's ids, in expert order
+                    experts = np.repeat(np.arange(r.num_experts), routing.counts)
+                    tokens = routing.token_idx.cpu().numpy()
+                    trace[ref.layer] = experts[np.argsort(tokens, kind="stable")].tolist()
+            traces.append(trace)
         counts[counts.sum(axis=1) == 0] = 1.0
-        return (counts / counts.sum(axis=1, keepdims=True)).tolist()
+        return (counts / counts.sum(axis=1, keepdims=True)).tolist(), traces
 
     def memory(self) -> Memory:
         """KV bytes per token and activation bytes a suspended iteration holds per token,
@@ -549,6 +561,7 @@ def build_profile(
     if prompts is None:
         prompts = [prof.random_ids(settings.routing_prompt_tokens)
                    for _ in range(settings.routing_prompts)]  # fmt: skip
+    load, prompt_experts = prof.routing_stats(prompts)
     device = device_name(info.device)
     timing = "CUDA events" if info.device.type == "cuda" else f"{settings.clock} clock"
     return Profile(
@@ -563,7 +576,8 @@ def build_profile(
         model=info.shape,
         memory=prof.memory(),
         points=points,
-        expert_load=prof.expert_load(prompts),
+        expert_load=load,
+        prompt_experts=prompt_experts,
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
         created=datetime.date.today().isoformat(),

@@ -13,7 +13,8 @@ A profile is a directory with two files:
                "head_dim", "vocab_size"},
      "memory": {"kv_capacity_tokens", "kv_bytes_per_token", "activation_bytes_per_token",
                 "swap_bytes_per_s"},                  # absent: SWAP_BYTES_PER_S
-     "routing": {"expert_load": [[float] * num_experts] * num_layers | null},
+     "routing": {"expert_load": [[float] * num_experts] * num_layers | null,
+                 "prompt_experts": [[str] * num_layers] | absent},
      "prefill_attention": "per_prompt" | "batched",     # absent: "per_prompt"
      "spread": {"median_factor", "worst_factor", "worst", "threshold", "noisy"}}  # measured
 
@@ -24,6 +25,15 @@ vLLM do: the batch pays ``attn_prefill_batch`` once).
 
 ``expert_load[l][e]`` is the fraction of layer l's token-to-expert assignments that expert e
 received (each row sums to 1); null means uniform routing.
+
+``prompt_experts`` (optional): the experts every token of each measured prompt picked, per
+layer, token by token (token t's top_k ids at ``[t * top_k : (t + 1) * top_k]``; in the file
+one string of space-separated ids per layer, empty for a layer that routes nothing, such as
+DeepSeek-V3's dense first layers). The tokens of one
+prompt do not route independently: in the tiny presets' prefills of 16 random tokens, 5.3-6.9
+experts of 8 per layer received a token, where independent tokens would reach 7.7-7.9. The
+simulator routes a prefill's tokens as a window of a measured prompt (``sim.latency.
+RoutingModel``); without this field, independently.
 
 ``spread`` (measured profiles only: the others have no repeats) summarizes how much the
 repeats behind the points scatter, written for the reader and recomputed from ops.csv on load:
@@ -266,6 +276,8 @@ class Profile:
     memory: Memory
     points: list[OpPoint]
     expert_load: list[list[float]] | None = None
+    # per measured prompt, per layer: its tokens' expert ids, token by token ([] routes nothing)
+    prompt_experts: list[list[list[int]]] | None = None
     torch_version: str | None = None
     transformers_version: str | None = None
     created: str = ""
@@ -312,12 +324,31 @@ class Profile:
             for row in self.expert_load:
                 if min(row) < 0 or not math.isclose(sum(row), 1.0, rel_tol=1e-3):
                     raise ProfileError(f"{where}: each expert_load row must sum to 1")
+        if self.prompt_experts is not None:
+            self._validate_prompt_experts(where)
         if not (math.isfinite(self.interference) and self.interference > 0):
             raise ProfileError(f"{where}: interference={self.interference} must be > 0")
         if self.memory.kv_capacity_tokens < 1:
             raise ProfileError(f"{where}: kv_capacity_tokens must be >= 1")
         if not self.memory.swap_bytes_per_s > 0:
             raise ProfileError(f"{where}: swap_bytes_per_s must be > 0")
+
+    def _validate_prompt_experts(self, where: str) -> None:
+        m = self.model
+        if not self.prompt_experts:
+            raise ProfileError(f"{where}: prompt_experts must hold at least one prompt")
+        for i, prompt in enumerate(self.prompt_experts):
+            bad = f"{where}: prompt_experts[{i}]"
+            if len(prompt) != m.num_layers:
+                raise ProfileError(f"{bad} must have {m.num_layers} layers, not {len(prompt)}")
+            lengths = {len(row) for row in prompt if row}
+            if not lengths:
+                raise ProfileError(f"{bad} routes no token in any layer")
+            if len(lengths) > 1 or lengths.pop() % m.top_k:
+                raise ProfileError(f"{bad}: every routed layer needs tokens x top_k={m.top_k} "
+                                   f"expert ids, the same tokens in each")  # fmt: skip
+            if any(not 0 <= e < m.num_experts for row in prompt for e in row):
+                raise ProfileError(f"{bad}: expert ids must lie in [0, {m.num_experts})")
 
     def spread(self) -> Spread | None:
         return spread(self.points)
@@ -342,7 +373,19 @@ class Profile:
             "created": self.created,
             "model": asdict(self.model),
             "memory": asdict(self.memory),
-            "routing": {"expert_load": self.expert_load},
+            "routing": {
+                "expert_load": self.expert_load,
+                **(
+                    {
+                        "prompt_experts": [
+                            [" ".join(map(str, row)) for row in prompt]
+                            for prompt in self.prompt_experts
+                        ]
+                    }
+                    if self.prompt_experts is not None
+                    else {}
+                ),
+            },  # fmt: skip
             "prefill_attention": self.prefill_attention,
             "interference": self.interference,
             "extra": self.extra,
@@ -410,6 +453,9 @@ class Profile:
                 memory=Memory(**meta["memory"]),
                 points=points,
                 expert_load=(meta.get("routing") or {}).get("expert_load"),
+                prompt_experts=_read_prompt_experts(
+                    (meta.get("routing") or {}).get("prompt_experts"), meta_path
+                ),  # fmt: skip
                 torch_version=meta.get("torch_version"),
                 transformers_version=meta.get("transformers_version"),
                 created=meta.get("created", ""),
@@ -419,3 +465,15 @@ class Profile:
             )
         except (KeyError, TypeError) as e:
             raise ProfileError(f"{meta_path}: missing or malformed field ({e})") from None
+
+
+def _read_prompt_experts(rows: list | None, path: Path) -> list[list[list[int]]] | None:
+    """``routing.prompt_experts`` as written by ``Profile.save``: per prompt, one string of
+    space-separated expert ids per layer."""
+    if rows is None:
+        return None
+    try:
+        return [[[int(e) for e in layer.split()] for layer in prompt] for prompt in rows]
+    except (AttributeError, TypeError, ValueError):
+        raise ProfileError(f"{path}: routing.prompt_experts must be lists of strings of "
+                           f"expert ids") from None  # fmt: skip

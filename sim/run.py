@@ -100,7 +100,7 @@ def build_latency(cfg: Any, profile, replica: int = 0) -> LatencyModel:
     try:
         routing = RoutingModel(m.num_layers, m.num_experts, m.top_k, mode=mode,
                                skew=cfg.profile.routing_skew, expert_load=profile.expert_load,
-                               seed=seed)  # fmt: skip
+                               seed=seed, prompt_experts=profile.prompt_experts)  # fmt: skip
     except ValueError as e:
         raise UserError(f"profile.routing={mode}: {e}") from None
     prefill = cfg.profile.prefill_attention
