@@ -53,7 +53,8 @@ def compose_config(overrides: list[str] = ()) -> DictConfig:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="profiler", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from profiler.measure import SettingsError, run  # torch loads only once the config is valid
+    # torch loads only once the config is valid
+    from profiler.measure import SettingsError, run, self_check_line
     from profiler.ops import RunnerError
 
     try:
@@ -62,6 +63,8 @@ def main(cfg: DictConfig) -> None:
         fail(str(e))
     n = len(profile.points)
     print(f"profile {profile.name}: {n} points, {profile.device}, {profile.dtype} -> {directory}")
+    if profile.extra.get("self_check"):
+        print(self_check_line(profile.extra["self_check"]))
     spread = profile.spread()
     if spread is not None and spread.noisy:
         print(spread.warning(profile.name), file=sys.stderr)

@@ -57,6 +57,7 @@ the profile's ``spread`` (profiler/schema.py) flags a profile whose repeats scat
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import platform
@@ -252,6 +253,76 @@ class StageClock:
         return [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]
 
 
+def decode_lengths(batch: int, kv: int) -> list[int]:
+    """The contexts of the profiler's decode batch of ``batch`` sequences at ``kv``: spread
+    from kv/2 up to kv (``Profiler.decode``)."""
+    return [max(1, round(kv * (1 - 0.5 * i / max(batch - 1, 1)))) for i in range(batch)]
+
+
+def self_check(profile: Profile, totals: dict[tuple[int, int, int], list[float]],
+               draws: int = 50) -> dict:  # fmt: skip
+    """How far the latency model built from ``profile`` (as the simulator builds it: routing
+    from the profile, interference applied; no engine_host, which these iterations do not
+    have) is from the profile's own timed iterations: for each shape in ``totals``
+    (``Profiler.totals``: a prefill of n tokens is (0, n, 0), a decode batch (B, B, kv) with
+    ``decode_lengths`` contexts), its predicted mean iteration (over ``draws`` routing draws)
+    against the mean of its repeats. No real run's noise enters: an error here is the model's
+    own way of adding op times up (which is how a prefill's routing of independent tokens was
+    found 27% long). Returns the shapes' rows and, per phase, the median and the worst error
+    (signed, %)."""
+    from policies.core import BE, Batch, Phase, Request, Sequence
+    from sim.latency import LatencyModel, RoutingModel
+
+    m = profile.model
+    model = dataclasses.replace(profile, points=[p for p in profile.points
+                                                 if p.op != "engine_host"])  # fmt: skip
+    mode = "profile" if profile.expert_load is not None else "uniform"
+    routing = RoutingModel(m.num_layers, m.num_experts, m.top_k, mode=mode,
+                           expert_load=profile.expert_load, seed=0,
+                           prompt_experts=profile.prompt_experts)  # fmt: skip
+    latency = LatencyModel(model, routing)
+    rows = []
+    for (batch, tokens, kv), times in sorted(totals.items()):
+        if not times:
+            continue
+        if batch:
+            seqs = [Sequence(Request(i, BE, 0.0, n, 2)) for i, n in
+                    enumerate(decode_lengths(batch, kv))]  # fmt: skip
+            for q in seqs:  # one token generated: its context is the prompt
+                q.generated = 1
+            shape = Batch(seqs, Phase.DECODE)
+        else:
+            shape = Batch([Sequence(Request(0, BE, 0.0, tokens, 2))], Phase.PREFILL)
+        predicted = 1e3 * float(np.mean([latency.plan(shape).total_s for _ in range(draws)]))
+        measured = float(np.mean(times))
+        rows.append({"phase": "decode" if batch else "prefill", "batch_size": batch or 1,
+                     "tokens": tokens, "kv_tokens": kv, "predicted_ms": round(predicted, 4),
+                     "measured_ms": round(measured, 4),
+                     "error_pct": round(100 * (predicted / measured - 1), 2)})  # fmt: skip
+    out: dict = {"shapes": rows}
+    for phase in ("prefill", "decode"):
+        errors = [r["error_pct"] for r in rows if r["phase"] == phase]
+        if errors:
+            out[f"{phase}_median_pct"] = round(float(np.median(errors)), 2)
+            out[f"{phase}_worst_pct"] = max(errors, key=abs)
+    return out
+
+
+def self_check_line(check: dict) -> str:
+    """One line for the reader: the profile's self-check (``self_check``)."""
+    parts = []
+    for phase in ("prefill", "decode"):
+        if f"{phase}_median_pct" in check:
+            worst = max((r for r in check["shapes"] if r["phase"] == phase),
+                        key=lambda r: abs(r["error_pct"]))  # fmt: skip
+            at = (f"{worst['tokens']} tokens" if phase == "prefill"
+                  else f"batch {worst['batch_size']}, kv {worst['kv_tokens']}")  # fmt: skip
+            parts.append(f"{phase} median {check[f'{phase}_median_pct']:+.1f}%, worst "
+                         f"{worst['error_pct']:+.1f}% ({at})")  # fmt: skip
+    return ("profile self-check (the latency model's mean iteration against the profile's own "
+            "timed ones, per shape): " + "; ".join(parts))  # fmt: skip
+
+
 def summarize(times_ms: list[float]) -> tuple[float, float]:
     return float(np.median(times_ms)), float(np.percentile(times_ms, 90))
 
@@ -344,8 +415,7 @@ class Profiler:
         # Contexts spread from kv/2 up to kv: in a real decode batch they differ, and the runner
         # then pads them to the longest (the latency model reads attn_decode at the max), a
         # path that equal lengths would skip.
-        lengths = [max(1, round(kv * (1 - 0.5 * i / max(batch - 1, 1)))) for i in range(batch)]
-        seqs = self.prompts(lengths)
+        seqs = self.prompts(decode_lengths(batch, kv))
         self.runner.run(self.runner.begin(seqs))  # the prefill: kv cached, one token to feed
         self.record(self.repeat(seqs, repeats), num_tokens=batch, batch=batch, kv=kv)
         self.bind(seqs, repeats)
@@ -564,7 +634,7 @@ def build_profile(
     load, prompt_experts = prof.routing_stats(prompts)
     device = device_name(info.device)
     timing = "CUDA events" if info.device.type == "cuda" else f"{settings.clock} clock"
-    return Profile(
+    profile = Profile(
         name=name,
         source="measured",
         description=f"{info.name} ({info.num_params / 1e6:.1f}M parameters, {info.source}) "
@@ -583,12 +653,15 @@ def build_profile(
         created=datetime.date.today().isoformat(),
         interference=prof.interference(),
         extra={
+            "self_check": None,  # below: it needs the profile
             "settings": asdict(settings),
             "threads": torch.get_num_threads(),
             "device_type": info.device.type,
             "model_source": info.source,
         },
     )
+    profile.extra["self_check"] = self_check(profile, prof.totals)
+    return profile
 
 
 def run(cfg: Any, progress: bool = True) -> tuple[Profile, Path]:

@@ -323,6 +323,9 @@ def bucket(value: int, edges: tuple[int, ...]) -> str:
     return f">{edges[-1]}"
 
 
+IDLE_AFTER_S = 1e-3  # an idle time before a segment longer than this is a gap ("after idle")
+
+
 def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
                    host=None) -> list[dict]:  # fmt: skip
     """One row per executed segment: its shape, measured and predicted time (``latency``'s
@@ -331,6 +334,7 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
     predicts for it."""
     rows = []
     wake = None  # (idle seconds, busy seconds since) while the simulator would charge a wake-up
+    after = "start"  # the phase of the segment just before (the run's first: start)
     for seg, host_gap_s in zip(segments, host_gaps(segments), strict=True):
         if seg.idle_s > 0:
             wake = (seg.idle_s, 0.0)
@@ -347,6 +351,7 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
                      "phase": seg.phase, "size": len(seg.shape), "tokens": phase_tokens,
                      "start_cursor": seg.start_cursor, "end_cursor": seg.end_cursor,
                      "kind": kind, "bound": seg.bound, "idle_s": seg.idle_s,
+                     "after": "idle" if seg.idle_s > IDLE_AFTER_S else after,
                      "start_s": seg.start_s,
                      "host_gap_s": math.nan if host_gap_s is None else host_gap_s,
                      "host_predicted_s": host(len(seg.shape)) if host else 0.0,
@@ -354,6 +359,7 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
                      "predicted_s": predicted_s, "wake_s": wake_s,
                      "error_pct": 100 * (predicted_s - measured_s) / measured_s
                      if measured_s > 0 else math.nan})  # fmt: skip
+        after = seg.phase
     return rows
 
 
@@ -374,8 +380,10 @@ def error_group(by: str, value: str, predicted: list[float], measured: list[floa
 
 def iteration_errors(rows: list[dict]) -> list[dict]:
     """The per-iteration error by group: phase x batch size, phase x tokens (prefill: prompt
-    tokens; decode: longest context), segment kind, whether an idle gap came before, and
-    whether a decode iteration bound a new padded KV (a new batch) or reused the last one;
+    tokens; decode: longest context), segment kind, whether an idle gap came before,
+    whether a decode iteration bound a new padded KV (a new batch) or reused the last one, and
+    what ran just before a decode iteration (``after``: the phase of the segment before it,
+    idle after a gap, start for a run's first);
     the engine's host time between segments against ``engine_host`` ("engine host": not
     part of the other groups, whose segments hold none); and each real run
     (policy@rate#replay), whose summed-time error shows the drift of the machine from replay
@@ -387,9 +395,12 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
         keys = [("all", "all"), (f"{r['phase']} size", bucket(r["size"], SIZE_BUCKETS)),
                 (f"{r['phase']} tokens", bucket(r["tokens"], TOKEN_BUCKETS)),
                 ("segment", r["kind"]),
-                ("after idle", "yes" if r["idle_s"] > 1e-3 else "no")]  # fmt: skip
+                ("after idle", "yes" if r["idle_s"] > IDLE_AFTER_S else "no")]  # fmt: skip
         if r["phase"] != Phase.PREFILL.value:
             keys.append((f"{r['phase']} KV", "bound" if r["bound"] else "reused"))
+            # what ran just before: a prefill's activations stream through the caches the
+            # decode step's weights would be in (or an idle gap: the wake-up)
+            keys.append((f"{r['phase']} after", r["after"]))
         # each real run on its own: how far its total busy time drifts from the prediction,
         # replay to replay of the same request list (the machine's part of the error)
         keys.append(("run", f"{r['policy']}@{r['rate']:g}#{r['replay']}"))
@@ -413,6 +424,8 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
         "after idle": 4,
         "decode KV": 5,
         "mixed KV": 5,
+        "decode after": 5,
+        "mixed after": 5,
         "engine host": 6,
         "run": 7,
     }
@@ -691,6 +704,10 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     print(f"profile interference {profile.interference:.3f}: a timed iteration ran "
           f"{100 * (profile.interference - 1):+.1f}% over its shape's median, on average; "
           f"the simulator scales its iterations by it")  # fmt: skip
+    if profile.extra.get("self_check"):  # a profile measured now (or saved with one)
+        from profiler.measure import self_check_line
+
+        print(self_check_line(profile.extra["self_check"]))
     records, rows = [], []
     segment_profile = dataclasses.replace(
         profile, points=[p for p in profile.points if p.op != "engine_host"])  # fmt: skip

@@ -20,6 +20,7 @@ import torch
 import transformers
 from conftest import linear_profile
 
+from policies.core import BE, Batch, Phase, Request, Sequence
 from profiler import app, measure, models
 from profiler.measure import Profiler, Settings, StageClock, run
 from profiler.models import PRESETS, ModelError, build_model
@@ -27,6 +28,7 @@ from profiler.ops import ModelRunner
 from profiler.schema import OPS, OPTIONAL_OPS, OpPoint, Profile, spread
 from realrun.run import warm_up
 from sim import profiles
+from sim.latency import LatencyModel
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
 # A very small grid: two prefill shapes, two decode shapes, one run each.
@@ -67,6 +69,11 @@ def test_every_tiny_model_profiles_on_the_cpu(tmp_path, model):
         assert len(row) == loaded.model.num_experts
         assert math.isclose(sum(row), 1.0, rel_tol=1e-9)
     assert loaded.memory.kv_bytes_per_token > 0
+    # the self-check: the latency model against every timed prefill and decode shape
+    check = loaded.extra["self_check"]
+    shapes = {(r["phase"], r["tokens"], r["kv_tokens"]) for r in check["shapes"]}
+    assert shapes == {("prefill", 4, 0), ("prefill", 16, 0), ("decode", 1, 8), ("decode", 3, 8)}
+    assert all(math.isfinite(r["error_pct"]) for r in check["shapes"])
 
 
 def test_console_script_writes_a_loadable_profile(tmp_path):
@@ -522,3 +529,35 @@ def test_attn_chunk_times_chunks_over_their_cached_prefix(monkeypatch):
     prefill = {p.num_tokens: p.median_ms for p in prof.table() if p.op == "attn_prefill"}
     assert all(p.median_ms == prefill[p.num_tokens] for p in points if p.kv_tokens == 0)
     assert all(p.median_ms > 0 for p in points)
+
+
+def test_self_check_is_the_models_mean_iteration_against_the_profiles_own():
+    profile = linear_profile()  # every op's time known: an iteration's is too
+    seqs = [Sequence(Request(0, BE, 0.0, 16, 2))]
+    seqs[0].generated = 1
+    model = LatencyModel(profile)
+    decode_ms = 1e3 * model.plan(Batch(seqs, Phase.DECODE)).total_s
+    # a decode batch of one at kv 16 ran 25% slower than the model adds it up; a prefill of 8
+    # tokens ran as the model's mean over routing draws
+    prefill_ms = 1e3 * np.mean([model.plan(Batch([Sequence(Request(0, BE, 0.0, 8, 2))],
+                                                   Phase.PREFILL)).total_s
+                                for _ in range(400)])  # fmt: skip
+    totals = {(1, 1, 16): [decode_ms * 1.25] * 3, (0, 8, 0): [prefill_ms] * 3}
+    check = measure.self_check(profile, totals, draws=400)
+    rows = {r["phase"]: r for r in check["shapes"]}
+    assert rows["decode"]["error_pct"] == pytest.approx(-20.0, abs=0.01)
+    assert rows["prefill"]["error_pct"] == pytest.approx(0.0, abs=1.0)
+    assert check["decode_worst_pct"] == rows["decode"]["error_pct"] == check["decode_median_pct"]
+    line = measure.self_check_line(check)
+    assert "decode median -20.0%, worst -20.0% (batch 1, kv 16)" in line
+    assert "prefill median" in line and "(8 tokens)" in line
+
+
+def test_self_check_leaves_out_the_engines_host_time():
+    profile = linear_profile()
+    host = replace(profile, points=[*profile.points,
+                                    OpPoint("engine_host", batch_size=1, median_ms=5.0,
+                                            p90_ms=5.0)])  # fmt: skip
+    totals = {(1, 1, 16): [10.0]}
+    assert (measure.self_check(host, totals)["shapes"]
+            == measure.self_check(profile, totals)["shapes"])  # fmt: skip

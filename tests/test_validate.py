@@ -35,6 +35,7 @@ from realrun.validate import (
     duty_warning,
     fit_host,
     host_gaps,
+    iteration_errors,
     iteration_rows,
     page_fault_warning,
     predict_segment,
@@ -321,6 +322,11 @@ def test_the_segments_after_an_idle_gap_share_its_wake_up_as_the_simulator_charg
     assert shares[7] == pytest.approx(shares[0]) and shares[8] == pytest.approx(shares[1])
     for r in rows:
         assert r["predicted_s"] > r["wake_s"] >= 0
+    # what ran before each: the first and the prefill after the second gap came after idle time
+    assert [r["after"] for r in rows] == ["idle", "prefill", *["decode"] * 5, "idle", "prefill"]
+    groups = {(g["by"], g["value"]): g["n"] for g in iteration_errors(rows)}
+    assert groups[("decode after", "prefill")] == 2 and groups[("decode after", "decode")] == 5
+    assert ("prefill after", "start") not in groups  # decode iterations only
 
 
 def test_a_machine_slower_in_a_light_loads_pattern_is_warned_about():
