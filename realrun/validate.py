@@ -625,7 +625,7 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
         prepare_requests,
         warm_up,
     )
-    from sim.run import build_latency, build_scheduler, simulate
+    from sim.run import build_latency, build_scheduler, extrapolation_warning, simulate
     from sim.workloads import build_workload
 
     runner, info = load_model(cfg)
@@ -718,6 +718,7 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
 
         curve = Curve1D(host_points, "batch_size")
         host = lambda size: curve.scalar(size) * profile.interference  # noqa: E731
+    beyond = []  # what the simulations read beyond the profile's grid: one warning for all
     for i, (u, rate, policy) in enumerate(cases):
         # a segment holds no host time between iterations: predicted without engine_host
         predictor = build_latency(sims[policy], segment_profile)
@@ -728,12 +729,16 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
             speeds.append(run_speed(replay_rows))
             scaled = dataclasses.replace(profile, interference=profile.interference * speeds[-1])
             adjusted.append(simulate(sims[policy], requests=workloads[i][0],
-                                     profile=scaled).summary)  # fmt: skip
-        sim = simulate(sims[policy], requests=workloads[i][0])
+                                     profile=scaled, warn=False).summary)  # fmt: skip
+            beyond += adjusted[-1]["extrapolated"]
+        sim = simulate(sims[policy], requests=workloads[i][0], warn=False)
+        beyond += sim.summary["extrapolated"]
         drift = round(statistics.median(drifts[i]), 2) if drifts[i] else None
         records += records_of(policy, rate, load_label(u, cfg.utilizations),
                               [summary for summary, _ in reals[i]], sim.summary, drift,
                               duty, adjusted, speeds)  # fmt: skip
+    if beyond:
+        print(extrapolation_warning(profile.name, beyond), file=sys.stderr)
     (out / "validation.json").write_text(json.dumps(records, indent=1) + "\n")
     errors = iteration_errors(rows)
     (out / "iteration_errors.json").write_text(json.dumps(errors, indent=1) + "\n")

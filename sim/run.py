@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import math
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -110,13 +112,32 @@ def build_latency(cfg: Any, profile, replica: int = 0) -> LatencyModel:
         raise UserError(f"profile.prefill_attention={prefill}: {e}") from None
 
 
+def extrapolation_warning(profile_name: str, lines: list[str]) -> str:
+    """The one-line warning of ops read beyond the profile's grid: ``lines`` as
+    ``LatencyModel.extrapolations`` gives them ("<op> <key> up to <x> (grid ends at <y>)");
+    several lines of one op (from several runs) merge into the largest input."""
+    largest: dict[str, tuple[float, str]] = {}
+    for line in lines:
+        match = re.fullmatch(r"(.+?) up to ([0-9.e+-]+) (\(grid ends at .*\))", line)
+        if match is None:  # not that form: kept as it is
+            largest.setdefault(line, (math.inf, line))
+            continue
+        what, value = match.group(1), float(match.group(2))
+        if what not in largest or value > largest[what][0]:
+            largest[what] = (value, line)
+    return (f"warning: profile {profile_name}: extrapolated linearly beyond the grid: "
+            + "; ".join(line for _, line in largest.values()))  # fmt: skip
+
+
 def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences: bool = False,
-             profile: Profile | None = None) -> RunOutput:  # fmt: skip
+             profile: Profile | None = None, warn: bool = True) -> RunOutput:  # fmt: skip
     """Run ``requests`` (None: the config's workload, streamed: its requests are made as
     they arrive) and fold each request into the outputs as it finishes. ``keep_sequences``:
     also keep every Sequence object in ``result.sequences`` (tests compare them; a long run
     would hold gigabytes). ``profile``: this profile instead of the one ``cfg.profile``
-    names (``qllm-validate``'s speed-adjusted diagnostic)."""
+    names (``qllm-validate``'s speed-adjusted diagnostic). The ops the latency model
+    extrapolated beyond the profile's grid are in ``summary["extrapolated"]``; ``warn``:
+    also print them in one line (a caller that runs many simulations merges them)."""
     validate(cfg)
     ordered = requests is None
     if requests is None:
@@ -157,11 +178,11 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
         if bar:
             bar.close()
     beyond = list(dict.fromkeys(line for rep in replicas for line in rep.latency.extrapolations()))
-    if beyond:
-        print(f"warning: profile {profile.name}: extrapolated linearly beyond the grid: "
-              + "; ".join(beyond), file=sys.stderr)  # fmt: skip
+    if beyond and warn:
+        print(extrapolation_warning(profile.name, beyond), file=sys.stderr)
     df, summary = records_outputs(records, result.makespan_s, result.events, result.wall_s,
                                   cfg.slo, with_replica=True)  # fmt: skip
+    summary["extrapolated"] = beyond
     summary["executor"]["merges"] = sum(rep.sched.merges for rep in replicas)
     summary["cluster"] = {"replicas": n, "router": router_name,
                           "per_replica": replica_stats(ran)}  # fmt: skip

@@ -21,7 +21,7 @@ from sim.app import CONF_DIR
 from sim.config import UserError
 from sim.engine import Simulation
 from sim.latency import LatencyModel, RoutingModel
-from sim.run import simulate
+from sim.run import extrapolation_warning, simulate
 
 
 # ------------------------------------------------------------------------------- routing
@@ -167,6 +167,16 @@ def test_extrapolating_beyond_a_grid_warns_once_per_run(tmp_path, capsys):
     assert "attn_prefill num_tokens up to 2000 (grid ends at 1024)" in err[0]
     simulate(app_cfg(*overrides, "workload.prompt.tokens=1000", "workload.output.tokens=4"))
     assert capsys.readouterr().err == ""
+    # a caller of many runs (qllm-validate) asks for none and merges them: the largest input
+    quiet = simulate(app_cfg(*overrides, "workload.prompt.tokens=3000",
+                             "workload.output.tokens=4"), warn=False)  # fmt: skip
+    assert capsys.readouterr().err == ""
+    lines = [*quiet.summary["extrapolated"], "attn_prefill num_tokens up to 2000 (grid ends at "
+             "1024)", "expert num_tokens up to 241 (grid ends at 224)"]  # fmt: skip
+    assert extrapolation_warning("p", lines) == (
+        "warning: profile p: extrapolated linearly beyond the grid: attn_prefill num_tokens up "
+        "to 3000 (grid ends at 1024); expert num_tokens up to 241 (grid ends at 224)"
+    )
 
 
 @pytest.mark.parametrize("name", ["a100x2-mixtral-fp16", "a100-mixtral-nf4-hf"])
