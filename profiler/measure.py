@@ -49,9 +49,12 @@ than inside an iteration, where the rest of the model streamed through the cache
   10-200 ms of idle time ran 1.2-2.2 ms (40-70%) slower, the next ones 0-0.5 ms.
 
 Each iteration runs ``warmup`` + ``repeats`` times (the sequences rewound in between), after
-one untimed prefill and decode step at the grid's largest shapes; attention and router samples
-pool all layers. Times: a CPU clock, or CUDA events (made once, reused) recorded at every stage
-boundary (no extra synchronisation inside the iteration). Each point keeps its median and p90:
+one untimed prefill and decode step at the grid's largest shapes; attention samples pool all
+layers, a router sample is an iteration's mean over its layers (a dense layer, such as
+DeepSeek-V3's first, runs its whole MLP in its router stage: a median over all layers' stages
+dropped it; the latency model charges router x layers). Times: a CPU clock, or CUDA events
+(made once, reused) recorded at every stage boundary (no extra synchronisation inside the
+iteration). Each point keeps its median and p90:
 the profile's ``spread`` (profiler/schema.py) flags a profile whose repeats scatter.
 """
 
@@ -315,7 +318,8 @@ def self_check_line(check: dict) -> str:
         if f"{phase}_median_pct" in check:
             worst = max((r for r in check["shapes"] if r["phase"] == phase),
                         key=lambda r: abs(r["error_pct"]))  # fmt: skip
-            at = (f"{worst['tokens']} tokens" if phase == "prefill"
+            n = worst["tokens"]
+            at = (f"{n} token{'s' if n != 1 else ''}" if phase == "prefill"
                   else f"batch {worst['batch_size']}, kv {worst['kv_tokens']}")  # fmt: skip
             parts.append(f"{phase} median {check[f'{phase}_median_pct']:+.1f}%, worst "
                          f"{worst['error_pct']:+.1f}% ({at})")  # fmt: skip
@@ -379,23 +383,35 @@ class Profiler:
         ops = {"attention": attention, "router": ("router", 0, num_tokens, 0),
                "lm_head": ("lm_head", batch, 0, 0)}  # fmt: skip
         counts: dict[tuple, int] = defaultdict(int)  # stages of each op in one iteration
+        filed: dict[tuple, int] = defaultdict(int)  # samples of each op filed by this call
         expert_ms = []  # per run: the experts' summed time
         self.totals[(batch, num_tokens, kv)] += [total for total, _ in runs]
         for _, stages in runs:
-            experts = 0.0
+            experts, routers = 0.0, []
             for st in stages:
                 stage = st.ref.stage
                 if stage == "expert" and st.tokens:
                     self.expert_samples.append((st.tokens, st.ms))
                     experts += st.ms
+                elif stage == "router":
+                    routers.append(st.ms)
                 elif stage in ops and (batch or stage != "lm_head"):
                     self.samples[ops[stage]].append(st.ms)
-                    counts[ops[stage]] += 1
+                    filed[ops[stage]] += 1
             expert_ms.append(experts)
+            if routers:
+                # one sample per iteration, the mean over its layers: a dense layer (DeepSeek-V3's
+                # first) runs its whole MLP in its router stage, which a median over all
+                # layers' stages would drop, and the latency model charges router x layers
+                self.samples[ops["router"]].append(float(np.mean(routers)))
+                filed[ops["router"]] += 1
+                counts[ops["router"]] = len(routers)
+        for op, n in filed.items():
+            counts.setdefault(op, n // len(runs))
         if batch:
             # mean iteration minus the stage medians the latency model will add up
-            stage_ms = sum(n / len(runs) * summarize(self.samples[op][-n:])[0]
-                           for op, n in counts.items())  # fmt: skip
+            stage_ms = sum(counts[op] * summarize(self.samples[op][-n:])[0]
+                           for op, n in filed.items())  # fmt: skip
             mean_total = float(np.mean([total for total, _ in runs]))
             residual = mean_total - stage_ms - float(np.median(expert_ms))
             self.samples[("step_overhead", batch, 0, 0)].append(max(residual, 0.0))

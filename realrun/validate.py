@@ -728,11 +728,11 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
             rows += replay_rows
             speeds.append(run_speed(replay_rows))
             scaled = dataclasses.replace(profile, interference=profile.interference * speeds[-1])
-            adjusted.append(simulate(sims[policy], requests=workloads[i][0],
-                                     profile=scaled, warn=False).summary)  # fmt: skip
-            beyond += adjusted[-1]["extrapolated"]
+            rerun = simulate(sims[policy], requests=workloads[i][0], profile=scaled, warn=False)
+            adjusted.append(rerun.summary)
+            beyond += rerun.extrapolated
         sim = simulate(sims[policy], requests=workloads[i][0], warn=False)
-        beyond += sim.summary["extrapolated"]
+        beyond += sim.extrapolated
         drift = round(statistics.median(drifts[i]), 2) if drifts[i] else None
         records += records_of(policy, rate, load_label(u, cfg.utilizations),
                               [summary for summary, _ in reals[i]], sim.summary, drift,

@@ -194,9 +194,10 @@ class RoutingModel:
     tokens): with ``prompt_experts`` (the profile's measured prompts, each token's experts per
     layer) in ``profile`` mode, ``prompt_counts`` routes each sequence's prefill tokens as a
     window of consecutive tokens of a measured prompt picked at random (windows of several
-    prompts when it is longer than they are: longer prompts are taken as that independent);
-    layers the prompts do not route (dense) draw as before. Decode tokens, one per sequence,
-    are independent of each other.
+    prompts when it is longer than they are: longer prompts are taken as that independent).
+    Decode tokens, one per sequence, are independent of each other. A layer that the measured
+    prompts do not route (a dense MLP, as DeepSeek-V3's first layers) gets no token in any
+    iteration (``dense``); without measured prompts every layer routes.
 
     Those picks of a pool sample are drawn ahead, ``PICK_BLOCK`` at a time (``picks``): numpy
     draws the same numbers in one call as in single calls, so the picks are those of drawing
@@ -241,9 +242,13 @@ class RoutingModel:
         # per measured prompt: (tokens, layers, top_k) expert ids, -1 in a layer it does not
         # route; None: tokens route independently
         self.prompts: list[np.ndarray] | None = None
+        # layers that route nothing (a dense MLP: DeepSeek-V3's first), as the measured prompts
+        # say; their experts get no token (None: every layer routes)
+        self.dense: np.ndarray | None = None
         if mode == "profile" and prompt_experts:
             self.prompts = [_prompt_ids(p, top_k) for p in prompt_experts]
-            self._routed = self.prompts[0][0, :, 0] >= 0  # layers the prompts route
+            routed = self.prompts[0][0, :, 0] >= 0
+            self.dense = None if routed.all() else ~routed
         if int(np.min(np.count_nonzero(self.load, axis=1))) < top_k:
             raise ValueError(f"every layer needs at least top_k={top_k} experts with load > 0")
         self.subset_p: np.ndarray | None = None  # (num_layers, C(E, k)), the exact path
@@ -310,19 +315,24 @@ class RoutingModel:
         if self.subset_p is not None:
             shape = self.subset_p.shape if size is None else (size, *self.subset_p.shape)
             picks = self.rng.multinomial(num_tokens, np.broadcast_to(self.subset_p, shape))
-            return picks @ self.incidence
+            counts = picks @ self.incidence
+            if self.dense is not None:
+                counts[..., self.dense, :] = 0
+            return counts
         n, (layers, experts) = (1 if size is None else size), self.load.shape
         keys = self.rng.gumbel(size=(n, layers, num_tokens, experts)) + self.log_load[:, None]
         top = np.argpartition(-keys, self.top_k - 1, axis=-1)[..., : self.top_k]
         rows = np.arange(n * layers).repeat(num_tokens * self.top_k) * experts
         counts = np.bincount(rows + top.ravel(), minlength=n * layers * experts)
         counts = counts.reshape(n, layers, experts)
+        if self.dense is not None:
+            counts[:, self.dense] = 0
         return counts[0] if size is None else counts
 
     def prompt_counts(self, lengths: list[int]) -> np.ndarray:
         """Counts (num_layers, num_experts) of prefills of ``lengths`` tokens, one sequence
         each: each a window of consecutive tokens of a measured prompt at random (``prompts``
-        must be set). Layers the prompts do not route draw all the tokens independently."""
+        must be set). A layer the prompts do not route (dense) gets no token."""
         self._sync()
         prompts, windows = self.prompts, []
         for n in lengths:
@@ -336,11 +346,7 @@ class RoutingModel:
         layers, experts = self.load.shape
         flat = (ids + (np.arange(layers) * experts)[:, None])[ids >= 0]
         counts = np.bincount(flat, minlength=layers * experts).reshape(layers, experts)
-        if not self._routed.all():
-            total = sum(lengths)
-            other = self.pool(total)[self.pick()] if self.pooled(total) else self.summed(total)
-            counts[~self._routed] = other[~self._routed]
-        return counts
+        return counts  # a layer the prompts do not route (dense) has none
 
     def pooled(self, num_tokens: int) -> bool:
         return num_tokens <= self.POOLED_MAX_TOKENS and self.pool_size > 0
@@ -364,7 +370,10 @@ class RoutingModel:
         layers, subsets = self.subset_p.shape
         u = self.rng.random((self.pool_size, layers)) + np.arange(layers)
         index = np.searchsorted(self._flat_cdf, u, side="right") - np.arange(layers) * subsets
-        return self.incidence[np.minimum(index, subsets - 1)]
+        counts = self.incidence[np.minimum(index, subsets - 1)]
+        if self.dense is not None:
+            counts[:, self.dense] = 0
+        return counts
 
     def pick(self) -> int:
         """A pool sample, at random: ``int(rng.integers(pool_size))``."""

@@ -6,7 +6,7 @@ import inspect
 import math
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,8 @@ class RunOutput:
     summary: dict
     result: SimResult
     timeline: pd.DataFrame  # (t_s, replica, in_system) at every arrival and completion
+    # what the latency models read beyond the profile's grid (LatencyModel.extrapolations)
+    extrapolated: list[str] = field(default_factory=list)
 
 
 def build_policy(cfg: Any) -> Policy:
@@ -136,7 +138,7 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
     also keep every Sequence object in ``result.sequences`` (tests compare them; a long run
     would hold gigabytes). ``profile``: this profile instead of the one ``cfg.profile``
     names (``qllm-validate``'s speed-adjusted diagnostic). The ops the latency model
-    extrapolated beyond the profile's grid are in ``summary["extrapolated"]``; ``warn``:
+    extrapolated beyond the profile's grid are in ``extrapolated``; ``warn``:
     also print them in one line (a caller that runs many simulations merges them)."""
     validate(cfg)
     ordered = requests is None
@@ -182,8 +184,7 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
         print(extrapolation_warning(profile.name, beyond), file=sys.stderr)
     df, summary = records_outputs(records, result.makespan_s, result.events, result.wall_s,
                                   cfg.slo, with_replica=True)  # fmt: skip
-    summary["extrapolated"] = beyond
     summary["executor"]["merges"] = sum(rep.sched.merges for rep in replicas)
     summary["cluster"] = {"replicas": n, "router": router_name,
                           "per_replica": replica_stats(ran)}  # fmt: skip
-    return RunOutput(df, summary, result, ran.timeline)
+    return RunOutput(df, summary, result, ran.timeline, beyond)

@@ -171,7 +171,7 @@ def test_extrapolating_beyond_a_grid_warns_once_per_run(tmp_path, capsys):
     quiet = simulate(app_cfg(*overrides, "workload.prompt.tokens=3000",
                              "workload.output.tokens=4"), warn=False)  # fmt: skip
     assert capsys.readouterr().err == ""
-    lines = [*quiet.summary["extrapolated"], "attn_prefill num_tokens up to 2000 (grid ends at "
+    lines = [*quiet.extrapolated, "attn_prefill num_tokens up to 2000 (grid ends at "
              "1024)", "expert num_tokens up to 241 (grid ends at 224)"]  # fmt: skip
     assert extrapolation_warning("p", lines) == (
         "warning: profile p: extrapolated linearly beyond the grid: attn_prefill num_tokens up "

@@ -561,3 +561,24 @@ def test_self_check_leaves_out_the_engines_host_time():
     totals = {(1, 1, 16): [10.0]}
     assert (measure.self_check(host, totals)["shapes"]
             == measure.self_check(profile, totals)["shapes"])  # fmt: skip
+
+
+def test_a_router_sample_is_an_iterations_mean_over_its_layers():
+    """DeepSeek-V3's first layer is dense: its whole MLP runs in its router stage (1 ms here,
+    the others' gates 0.1 ms). A median over all layers' stages kept 0.1 and lost the dense
+    MLP; the iteration's mean over its layers (0.4) times the layers charges it all."""
+    ref = measure.StageRef
+    stages = [measure.StageTime(ref(0, "prepare", -1, -1), 0, 0.2)]
+    for layer, router_ms in enumerate((1.0, 0.1, 0.1)):
+        stages += [measure.StageTime(ref(0, "attention", layer, -1), 0, 0.5),
+                   measure.StageTime(ref(0, "router", layer, -1), 0, router_ms),
+                   measure.StageTime(ref(0, "expert", layer, 0), 1, 0.3)]  # fmt: skip
+    stages.append(measure.StageTime(ref(0, "lm_head", -1, -1), 0, 0.4))
+    total = sum(st.ms for st in stages)
+    prof = Profiler.__new__(Profiler)
+    prof.samples, prof.expert_samples, prof.totals = defaultdict(list), [], defaultdict(list)
+    prof.record([(total, stages)] * 3, num_tokens=1, batch=1, kv=8)
+    assert prof.samples[("router", 0, 1, 0)] == [pytest.approx(0.4)] * 3
+    assert prof.samples[("attn_decode", 1, 0, 8)] == [0.5] * 9
+    # what the stage medians leave of the iteration: the prepare stage alone
+    assert prof.samples[("step_overhead", 1, 0, 0)] == [pytest.approx(0.2)]
