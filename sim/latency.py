@@ -342,8 +342,10 @@ class RoutingModel:
                 start = int(self.rng.integers(len(ids) - m + 1))
                 windows.append(ids[start : start + m])
                 n -= m
-        ids = np.concatenate(windows)
         layers, experts = self.load.shape
+        if not windows:
+            return np.zeros((layers, experts), dtype=np.int64)
+        ids = np.concatenate(windows)
         flat = (ids + (np.arange(layers) * experts)[:, None])[ids >= 0]
         counts = np.bincount(flat, minlength=layers * experts).reshape(layers, experts)
         return counts  # a layer the prompts do not route (dense) has none

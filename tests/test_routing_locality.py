@@ -60,6 +60,7 @@ def test_sequences_of_a_prefill_batch_route_apart_and_sum():
     counts = r.prompt_counts([4, 4, 4])
     assert (counts.sum(axis=1) == 12 * TOP_K).all()
     assert all(np.count_nonzero(layer) <= 3 * TOP_K for layer in counts)
+    assert not r.prompt_counts([]).any() and r.prompt_counts([]).shape == (LAYERS, EXPERTS)
 
 
 def test_a_layer_the_prompts_do_not_route_is_dense_and_gets_no_token():
