@@ -349,6 +349,10 @@ class Profile:
                                    f"expert ids, the same tokens in each")  # fmt: skip
             if any(not 0 <= e < m.num_experts for row in prompt for e in row):
                 raise ProfileError(f"{bad}: expert ids must lie in [0, {m.num_experts})")
+        routed = [[bool(row) for row in prompt] for prompt in self.prompt_experts]
+        if any(r != routed[0] for r in routed):  # the simulator reads the dense layers off one
+            raise ProfileError(f"{where}: prompt_experts must route the same layers in every "
+                               f"prompt (an empty layer is dense)")  # fmt: skip
 
     def spread(self) -> Spread | None:
         return spread(self.points)

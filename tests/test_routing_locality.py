@@ -132,6 +132,7 @@ def test_prompt_experts_round_trip_and_old_files_read_none(tmp_path):
     ([[[0, 1, 2]] * LAYERS], "the same tokens in each"),
     ([[[0, EXPERTS]] * LAYERS], "expert ids must lie in"),
     ([[[]] * LAYERS], "routes no token"),
+    ([[[0, 1]] * LAYERS, [[], [0, 1], [0, 1], [0, 1]]], "the same layers in every prompt"),
 ])  # fmt: skip
 def test_malformed_prompt_experts_are_refused(prompts, message):
     with pytest.raises(ProfileError, match=message):
