@@ -7,6 +7,13 @@ than inside an iteration, where the rest of the model streamed through the cache
 
 - prefill iterations of one sequence of n tokens (``grid.prefill_tokens``) give
   ``attn_prefill(n)`` and ``router(n)``;
+- prefill iterations of k sequences of the grid's longest prompt P each
+  (``grid.prefill_batch``, optional) give ``router(k P)`` and their expert samples: a batched
+  prefill (TGI's, up to ``max_batch_prefill_tokens`` = 4096) feeds the router and the experts
+  many more tokens than one prompt, and a curve read beyond its last point extrapolates
+  linearly where the time per token still falls (tiny models' prefills of 1,025-4,096 tokens
+  were predicted 7-15% long from a grid ending at 256); their attention stages, one call per
+  prompt, are not filed (``attn_prefill(P)`` covers each);
 - decode iterations of B sequences with kv cached tokens each (``grid.decode_batch`` x
   ``grid.decode_kv``, distinct random prompts) give ``attn_decode(B, kv)``, ``router(B)``,
   ``lm_head(B)`` and ``step_overhead(B)``: the iteration's mean time minus the medians of its
@@ -153,6 +160,8 @@ class Settings:
     wake_idle_ms: tuple[int, ...] = (2, 10, 50, 200, 1000)  # empty: no wake_up op
     wake_repeats: int = 9
     chunk_kv: tuple[int, ...] = ()  # cached prefixes under each chunk; empty: no attn_chunk
+    # prefill batches of this many prompts of max(prefill_tokens) each; empty: none
+    prefill_batch: tuple[int, ...] = ()
     passes: int = 1  # sweeps of the grid, each shape's repeats split over them (<= repeats)
 
     def __post_init__(self) -> None:
@@ -173,6 +182,7 @@ class Settings:
             passes=int(cfg.get("passes") or 1),
         )
         out.chunk_kv = tuple(sorted({int(x) for x in grid.get("chunk_kv") or ()}))
+        out.prefill_batch = tuple(sorted({int(x) for x in grid.get("prefill_batch") or ()}))
         wake = cfg.get("wake")
         if wake is not None:
             out.wake_idle_ms = tuple(sorted({int(x) for x in wake["idle_ms"]}))
@@ -196,6 +206,8 @@ class Settings:
             raise SettingsError("routing.prompts and routing.prompt_tokens must be >= 1")
         if self.chunk_kv and min(self.chunk_kv) < 1:
             raise SettingsError("grid.chunk_kv must be integers >= 1 (or empty)")
+        if self.prefill_batch and min(self.prefill_batch) < 2:
+            raise SettingsError("grid.prefill_batch must be prompt counts >= 2 (or empty)")
         if self.wake_idle_ms and (min(self.wake_idle_ms) < 1 or self.wake_repeats < 1):
             raise SettingsError("wake.idle_ms must be integers >= 1 and wake.repeats >= 1")
 
@@ -207,7 +219,8 @@ class Settings:
     def num_iterations(self) -> int:
         """Iteration shapes profiled (the progress bar's length)."""
         decode = len(self.decode_batch) * len(self.decode_kv)
-        return len(self.prefill_tokens) * (1 + len(self.chunk_kv)) + decode
+        prefill = len(self.prefill_tokens) * (1 + len(self.chunk_kv)) + len(self.prefill_batch)
+        return prefill + decode
 
 
 @dataclass
@@ -262,13 +275,14 @@ def decode_lengths(batch: int, kv: int) -> list[int]:
     return [max(1, round(kv * (1 - 0.5 * i / max(batch - 1, 1)))) for i in range(batch)]
 
 
-def self_check(profile: Profile, totals: dict[tuple[int, int, int], list[float]],
+def self_check(profile: Profile, totals: dict[tuple[int, int, int, int], list[float]],
                draws: int = 50) -> dict:  # fmt: skip
     """How far the latency model built from ``profile`` (as the simulator builds it: routing
     from the profile, interference applied; no engine_host, which these iterations do not
     have) is from the profile's own timed iterations: for each shape in ``totals``
-    (``Profiler.totals``: a prefill of n tokens is (0, n, 0), a decode batch (B, B, kv) with
-    ``decode_lengths`` contexts), its predicted mean iteration (over ``draws`` routing draws)
+    (``Profiler.totals``, keyed (batch, tokens, kv, sequences): a prefill of k prompts of n
+    tokens each is (0, k n, 0, k), a decode batch (B, B, kv, B) with ``decode_lengths``
+    contexts), its predicted mean iteration (over ``draws`` routing draws)
     against the mean of its repeats. No real run's noise enters: an error here is the model's
     own way of adding op times up (which is how a prefill's routing of independent tokens was
     found 27% long). Returns the shapes' rows and, per phase, the median and the worst error
@@ -285,7 +299,7 @@ def self_check(profile: Profile, totals: dict[tuple[int, int, int], list[float]]
                            prompt_experts=profile.prompt_experts)  # fmt: skip
     latency = LatencyModel(model, routing)
     rows = []
-    for (batch, tokens, kv), times in sorted(totals.items()):
+    for (batch, tokens, kv, sequences), times in sorted(totals.items()):
         if not times:
             continue
         if batch:
@@ -295,10 +309,11 @@ def self_check(profile: Profile, totals: dict[tuple[int, int, int], list[float]]
                 q.generated = 1
             shape = Batch(seqs, Phase.DECODE)
         else:
-            shape = Batch([Sequence(Request(0, BE, 0.0, tokens, 2))], Phase.PREFILL)
+            shape = Batch([Sequence(Request(i, BE, 0.0, tokens // sequences, 2))
+                           for i in range(sequences)], Phase.PREFILL)  # fmt: skip
         predicted = 1e3 * float(np.mean([latency.plan(shape).total_s for _ in range(draws)]))
         measured = float(np.mean(times))
-        rows.append({"phase": "decode" if batch else "prefill", "batch_size": batch or 1,
+        rows.append({"phase": "decode" if batch else "prefill", "batch_size": sequences,
                      "tokens": tokens, "kv_tokens": kv, "predicted_ms": round(predicted, 4),
                      "measured_ms": round(measured, 4),
                      "error_pct": round(100 * (predicted / measured - 1), 2)})  # fmt: skip
@@ -319,8 +334,10 @@ def self_check_line(check: dict) -> str:
             worst = max((r for r in check["shapes"] if r["phase"] == phase),
                         key=lambda r: abs(r["error_pct"]))  # fmt: skip
             n = worst["tokens"]
-            at = (f"{n} token{'s' if n != 1 else ''}" if phase == "prefill"
-                  else f"batch {worst['batch_size']}, kv {worst['kv_tokens']}")  # fmt: skip
+            k = worst["batch_size"]
+            at = (f"{n} token{'s' if n != 1 else ''}" + (f" in {k} prompts" if k > 1 else "")
+                  if phase == "prefill"
+                  else f"batch {k}, kv {worst['kv_tokens']}")  # fmt: skip
             parts.append(f"{phase} median {check[f'{phase}_median_pct']:+.1f}%, worst "
                          f"{worst['error_pct']:+.1f}% ({at})")  # fmt: skip
     return ("profile self-check (the latency model's mean iteration against the profile's own "
@@ -343,8 +360,9 @@ class Profiler:
         self.samples: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
         self.expert_samples: list[tuple[int, float]] = []
         self.passes_done = 0
-        # (batch, num_tokens, kv) -> every timed iteration's total (ms): ``interference``
-        self.totals: dict[tuple[int, int, int], list[float]] = defaultdict(list)
+        # (batch, num_tokens, kv, sequences) -> every timed iteration's total (ms):
+        # ``interference`` and ``self_check``
+        self.totals: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
 
     def random_ids(self, n: int) -> list[int]:
         vocab = self.runner.config.vocab_size
@@ -375,17 +393,19 @@ class Profiler:
                 s.token_ids[c:] = self.random_ids(n - c)
         return runs
 
-    def record(self, runs: list, num_tokens: int, batch: int = 0, kv: int = 0) -> None:
-        """File a shape's stage times under their ops: a prefill of ``num_tokens`` (batch 0),
-        or a decode ``batch`` with ``kv`` cached tokens each (which also gives lm_head and
-        step_overhead)."""
+    def record(self, runs: list, num_tokens: int, batch: int = 0, kv: int = 0,
+               prompts: int = 1) -> None:  # fmt: skip
+        """File a shape's stage times under their ops: a prefill of ``num_tokens`` (batch 0)
+        in ``prompts`` equal prompts (attention filed for one only), or a decode ``batch``
+        with ``kv`` cached tokens each (which also gives lm_head and step_overhead)."""
         attention = ("attn_decode", batch, 0, kv) if batch else ("attn_prefill", 0, num_tokens, 0)
-        ops = {"attention": attention, "router": ("router", 0, num_tokens, 0),
-               "lm_head": ("lm_head", batch, 0, 0)}  # fmt: skip
+        ops = {"router": ("router", 0, num_tokens, 0), "lm_head": ("lm_head", batch, 0, 0)}
+        if batch or prompts == 1:  # a prefill batch's attention stage runs every prompt's
+            ops["attention"] = attention
         counts: dict[tuple, int] = defaultdict(int)  # stages of each op in one iteration
         filed: dict[tuple, int] = defaultdict(int)  # samples of each op filed by this call
         expert_ms = []  # per run: the experts' summed time
-        self.totals[(batch, num_tokens, kv)] += [total for total, _ in runs]
+        self.totals[(batch, num_tokens, kv, batch or prompts)] += [total for total, _ in runs]
         for _, stages in runs:
             experts, routers = 0.0, []
             for st in stages:
@@ -416,8 +436,10 @@ class Profiler:
             residual = mean_total - stage_ms - float(np.median(expert_ms))
             self.samples[("step_overhead", batch, 0, 0)].append(max(residual, 0.0))
 
-    def prefill(self, n: int, repeats: int | None = None) -> None:
-        self.record(self.repeat(self.prompts([n]), repeats), num_tokens=n)
+    def prefill(self, n: int, repeats: int | None = None, prompts: int = 1) -> None:
+        """A prefill of ``prompts`` prompts of n tokens each."""
+        runs = self.repeat(self.prompts([n] * prompts), repeats)
+        self.record(runs, num_tokens=n * prompts, prompts=prompts)
 
     def chunk(self, n: int, kv: int, repeats: int | None = None) -> None:
         """A chunk of n tokens over kv cached: only its attention is filed (``attn_chunk``)."""
@@ -457,11 +479,13 @@ class Profiler:
                 s.truncate(n, c)
 
     def warm_up(self) -> None:
-        """One prefill of the longest prompt and one decode step of the largest batch before
+        """One prefill of the largest prefill shape (the longest prompt, or the largest batch of
+        them) and one decode step of the largest batch before
         anything is timed: the first calls of a new GEMM shape pick (on CUDA, load) kernels,
         and the per-shape warm-up alone would leave that to the first shape of each size."""
         s = self.settings
-        self.runner.run(self.runner.begin(self.prompts([max(s.prefill_tokens)])))
+        prompts = max(s.prefill_batch, default=1)  # the largest prefill: one or a batch
+        self.runner.run(self.runner.begin(self.prompts([max(s.prefill_tokens)] * prompts)))
         seqs = self.prompts([min(s.decode_kv)] * max(s.decode_batch))
         for _ in range(2):  # the prefill, then a decode step
             self.runner.run(self.runner.begin(seqs))
@@ -494,6 +518,10 @@ class Profiler:
                     self.chunk(n, kv, repeats)
                 if bar is not None:
                     bar.update()
+        for k in s.prefill_batch:
+            self.prefill(max(s.prefill_tokens), repeats, prompts=k)
+            if bar is not None:
+                bar.update()
         for kv in s.decode_kv:
             for b in s.decode_batch:
                 self.decode(b, kv, repeats)

@@ -94,12 +94,18 @@ def sim_config(cfg: DictConfig, policy: str, profile_dir: Path) -> DictConfig:
     return sim_cfg
 
 
-def covering_grid(grid: dict, largest_batch: int, longest_prompt: int,
-                  longest_context: int) -> tuple[dict, list[str]]:  # fmt: skip
+def covering_grid(
+    grid: dict, largest_batch: int, longest_prompt: int, longest_context: int,
+    largest_prefill: int = 0,
+) -> tuple[dict, list[str]]:  # fmt: skip
     """The profile grid extended to every shape a run can form: decode batches up to the
     largest a policy can form, prefills up to the longest prompt, contexts up to the longest
-    prompt + output (one point added at each end that falls short; none inside), and the
-    lines saying what was added."""
+    prompt + output (one point added at each end that falls short; none inside), batched
+    prefills up to ``largest_prefill`` tokens (``prefill_batch``: prompts of the grid's
+    longest prefill, doubling from 2 up to enough of them; the time per token of the router
+    and the experts still falls there, which one end point would extrapolate linearly) and
+    expert queues up to the largest prefill (doubling: one expert can get every token of a
+    prefill); and the lines saying what was added."""
     grid, added = dict(grid), []
     for key, need in (("decode_batch", largest_batch), ("prefill_tokens", longest_prompt),
                       ("decode_kv", longest_context)):  # fmt: skip
@@ -107,7 +113,37 @@ def covering_grid(grid: dict, largest_batch: int, longest_prompt: int,
         if need > values[-1]:
             grid[key] = [*values, need]
             added.append(f"{key} to {need}")
+    longest = max(int(v) for v in grid["prefill_tokens"])
+    batches = sorted({int(v) for v in grid.get("prefill_batch") or ()})
+    if largest_prefill > longest * max(batches, default=1):
+        need, k = math.ceil(largest_prefill / longest), 2
+        while k < need:
+            batches.append(k)
+            k *= 2
+        grid["prefill_batch"] = sorted({*batches, need})
+        added.append(f"prefill_batch to {need} prompts of {longest} tokens")
+    experts, most = sorted({int(v) for v in grid["expert_tokens"]}), max(largest_prefill, longest)
+    if most > experts[-1]:
+        while experts[-1] < most:
+            experts.append(min(2 * experts[-1], most))
+        grid["expert_tokens"] = experts
+        added.append(f"expert_tokens to {most}")
     return grid, added
+
+
+def largest_prefill(policies: list[str], requests) -> int:
+    """Prompt tokens of the largest prefill batch any of ``policies`` can form from
+    ``requests``: its ``max_batch_prefill_tokens`` (none: no cap), at most its
+    ``max_batch_size`` of the longest prompts, at most every prompt."""
+    prompts = sorted((r.prompt_tokens for r in requests), reverse=True)
+    largest = 0
+    for policy in policies:
+        conf = OmegaConf.load(CONF_DIR / "policy" / f"{policy}.yaml")
+        size = conf.get("max_batch_size") or len(prompts)
+        most = sum(prompts[:size])
+        cap = conf.get("max_batch_prefill_tokens")
+        largest = max(largest, min(most, cap) if cap else most)
+    return largest
 
 
 class ProfileSource:
@@ -120,7 +156,7 @@ class ProfileSource:
     the rates); ``between_rounds()`` runs the next pass; ``final()`` runs any passes left and
     the wake-up, saves the profile to ``directory`` and returns it."""
 
-    def __init__(self, cfg: DictConfig, runner, info, out: Path, cover: tuple[int, int, int]):
+    def __init__(self, cfg: DictConfig, runner, info, out: Path, cover: tuple[int, int, int, int]):
         from sim import profiles
 
         self.info, self.name = info, f"{out.name}-profile"
@@ -639,7 +675,8 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
                    for p in cfg.policies]  # fmt: skip
     largest_batch = min(max(cap or len(nominal) for cap in policy_caps), len(nominal))
     cover = (largest_batch, max(r.prompt_tokens for r in nominal),
-             max(r.prompt_tokens + r.output_tokens for r in nominal))  # fmt: skip
+             max(r.prompt_tokens + r.output_tokens for r in nominal),
+             largest_prefill(list(cfg.policies), nominal))  # fmt: skip
     source = ProfileSource(cfg, runner, info, out, cover)
     profile = source.first()
     sims = {p: sim_config(cfg, p, source.directory) for p in cfg.policies}

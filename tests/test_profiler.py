@@ -38,6 +38,7 @@ SMALL = [
     "grid.decode_kv=[8]",
     "grid.expert_tokens=[1,4,16]",
     "grid.chunk_kv=[8]",
+    "grid.prefill_batch=[2]",
     "warmup=0",
     "repeats=1",
     "routing.prompts=2",
@@ -71,8 +72,12 @@ def test_every_tiny_model_profiles_on_the_cpu(tmp_path, model):
     assert loaded.memory.kv_bytes_per_token > 0
     # the self-check: the latency model against every timed prefill and decode shape
     check = loaded.extra["self_check"]
-    shapes = {(r["phase"], r["tokens"], r["kv_tokens"]) for r in check["shapes"]}
-    assert shapes == {("prefill", 4, 0), ("prefill", 16, 0), ("decode", 1, 8), ("decode", 3, 8)}
+    shapes = {(r["phase"], r["batch_size"], r["tokens"], r["kv_tokens"]) for r in check["shapes"]}
+    assert shapes == {("prefill", 1, 4, 0), ("prefill", 1, 16, 0), ("prefill", 2, 32, 0),
+                      ("decode", 1, 1, 8), ("decode", 3, 3, 8)}  # fmt: skip
+    # the batched prefill (two prompts of 16): the router at its 32 tokens, attention not
+    assert 32 in {p.num_tokens for p in loaded.op_points("router")}
+    assert 32 not in {p.num_tokens for p in loaded.op_points("attn_prefill")}
     assert all(math.isfinite(r["error_pct"]) for r in check["shapes"])
 
 
@@ -455,8 +460,8 @@ def test_interference_is_the_mean_time_over_the_median_of_its_shape():
     runner = ModelRunner(build_model("tiny-mixtral")[0])
     profiler = Profiler(runner, Settings([4], [1], [8], [1]), torch.device("cpu"))
     assert profiler.interference() == 1.0  # nothing timed yet
-    profiler.totals[(0, 4, 0)] += [1.0, 1.0, 1.0, 3.0]  # one slow repeat of four: ratio 3
-    profiler.totals[(1, 1, 8)] += [2.0, 2.0, 2.0, 2.0]
+    profiler.totals[(0, 4, 0, 1)] += [1.0, 1.0, 1.0, 3.0]  # one slow repeat of four: ratio 3
+    profiler.totals[(1, 1, 8, 1)] += [2.0, 2.0, 2.0, 2.0]
     assert profiler.interference() == pytest.approx(10 / 8)
 
 
@@ -542,7 +547,7 @@ def test_self_check_is_the_models_mean_iteration_against_the_profiles_own():
     prefill_ms = 1e3 * np.mean([model.plan(Batch([Sequence(Request(0, BE, 0.0, 8, 2))],
                                                    Phase.PREFILL)).total_s
                                 for _ in range(400)])  # fmt: skip
-    totals = {(1, 1, 16): [decode_ms * 1.25] * 3, (0, 8, 0): [prefill_ms] * 3}
+    totals = {(1, 1, 16, 1): [decode_ms * 1.25] * 3, (0, 8, 0, 1): [prefill_ms] * 3}
     check = measure.self_check(profile, totals, draws=400)
     rows = {r["phase"]: r for r in check["shapes"]}
     assert rows["decode"]["error_pct"] == pytest.approx(-20.0, abs=0.01)
@@ -558,7 +563,7 @@ def test_self_check_leaves_out_the_engines_host_time():
     host = replace(profile, points=[*profile.points,
                                     OpPoint("engine_host", batch_size=1, median_ms=5.0,
                                             p90_ms=5.0)])  # fmt: skip
-    totals = {(1, 1, 16): [10.0]}
+    totals = {(1, 1, 16, 1): [10.0]}
     assert (measure.self_check(host, totals)["shapes"]
             == measure.self_check(profile, totals)["shapes"])  # fmt: skip
 
@@ -582,3 +587,38 @@ def test_a_router_sample_is_an_iterations_mean_over_its_layers():
     assert prof.samples[("attn_decode", 1, 0, 8)] == [0.5] * 9
     # what the stage medians leave of the iteration: the prepare stage alone
     assert prof.samples[("step_overhead", 1, 0, 0)] == [pytest.approx(0.2)]
+
+
+def test_a_batched_prefill_files_its_router_and_experts_not_its_attention(monkeypatch):
+    """grid.prefill_batch: k prompts of the longest prefill_tokens in one iteration (TGI's
+    batched prefill): the router sample is keyed by the k P tokens, the expert stages are
+    samples, the attention stage (every prompt's) is not filed as attn_prefill(k P); the
+    self-check predicts that batch of k prompts."""
+    model, info = build_model("tiny-mixtral")
+    runner = ModelRunner(model)
+    begun = []
+    begin = runner.begin
+
+    def recording_begin(seqs, chunk_tokens=None):
+        begun.append(tuple(s.num_cached for s in seqs) + (len(seqs[0].token_ids),))
+        return begin(seqs, chunk_tokens)
+
+    monkeypatch.setattr(runner, "begin", recording_begin)
+    settings = Settings([4, 12], [1], [8], [1, 16, 64], warmup=0, repeats=2, wake_idle_ms=(),
+                        prefill_batch=(3,))  # fmt: skip
+    prof = Profiler(runner, settings, torch.device("cpu"))
+    prof.grid_pass()
+    assert settings.num_iterations == 4
+    assert begun.count((0, 0, 0, 12)) == 2  # its repeats (warmup=0: no warm-up)
+    prof.warm_up()  # the largest prefill first: the batch
+    assert begun[-3] == (0, 0, 0, 12)
+    points = prof.table()
+    assert {p.num_tokens for p in points if p.op == "router"} == {1, 4, 12, 36}
+    assert {p.num_tokens for p in points if p.op == "attn_prefill"} == {4, 12}
+    assert max(n for n, _ in prof.expert_samples) > 12  # more than one prompt's tokens
+    assert len(prof.totals[(0, 36, 0, 3)]) == 2
+    check = measure.build_profile(prof, info, "t", points).extra["self_check"]
+    row = next(r for r in check["shapes"] if r["tokens"] == 36)
+    assert row["phase"] == "prefill" and row["batch_size"] == 3
+    with pytest.raises(measure.SettingsError, match="prefill_batch"):
+        replace(settings, prefill_batch=(1,)).validate()

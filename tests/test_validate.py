@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -37,6 +38,7 @@ from realrun.validate import (
     host_gaps,
     iteration_errors,
     iteration_rows,
+    largest_prefill,
     page_fault_warning,
     predict_segment,
     records_of,
@@ -223,12 +225,32 @@ def test_console_script_prints_the_table(tmp_path):
 
 def test_the_grid_is_extended_to_every_shape_a_run_forms_and_only_at_its_ends():
     grid = {"prefill_tokens": [8, 64], "decode_batch": [1, 4, 16], "decode_kv": [16, 160],
-            "expert_tokens": [1, 8]}  # fmt: skip
+            "expert_tokens": [1, 8, 64]}  # fmt: skip
     got, added = covering_grid(grid, largest_batch=32, longest_prompt=40, longest_context=300)
     assert got["decode_batch"] == [1, 4, 16, 32] and got["decode_kv"] == [16, 160, 300]
-    assert got["prefill_tokens"] == [8, 64] and got["expert_tokens"] == [1, 8]
+    assert got["prefill_tokens"] == [8, 64] and got["expert_tokens"] == [1, 8, 64]
     assert added == ["decode_batch to 32", "decode_kv to 300"]
     assert covering_grid(grid, 16, 64, 160) == (grid, [])
+    # a batched prefill of up to 1,000 tokens: prompts of 64, doubling up to 16 of them; expert
+    # queues up to the whole 1,000 (one expert can get every token), doubling
+    got, added = covering_grid(grid, 16, 64, 160, largest_prefill=1000)
+    assert got["prefill_batch"] == [2, 4, 8, 16]
+    assert got["expert_tokens"] == [1, 8, 64, 128, 256, 512, 1000]
+    assert added == ["prefill_batch to 16 prompts of 64 tokens", "expert_tokens to 1000"]
+    assert covering_grid(grid, 16, 64, 160, largest_prefill=64) == (grid, [])
+    # a grid that already covers it is left as it is
+    covered = {**grid, "prefill_batch": [16], "expert_tokens": [1, 8, 1024]}
+    assert covering_grid(covered, 16, 64, 160, largest_prefill=1000) == (covered, [])
+    # a longer prompt than the expert grid's end: that far too
+    got, added = covering_grid({**grid, "expert_tokens": [1, 8]}, 16, 40, 160)
+    assert got["expert_tokens"] == [1, 8, 16, 32, 64] and added == ["expert_tokens to 64"]
+
+
+def test_the_largest_prefill_is_each_policys_token_cap_or_batch_of_longest_prompts():
+    requests = [SimpleNamespace(prompt_tokens=n) for n in (300, 200, 100) * 20]
+    # fcfs: max_batch_size 32 of the longest prompts, capped at 4,096 tokens
+    assert largest_prefill(["fcfs"], requests) == 4096
+    assert largest_prefill(["fcfs"], requests[:6]) == 1200  # every prompt: under the cap
 
 
 def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
