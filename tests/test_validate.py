@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -47,6 +48,7 @@ from realrun.validate import (
     shape_batch,
     summary_line,
     table,
+    window_speeds,
 )
 from sim.app import CONF_DIR
 from sim.config import UserError
@@ -113,7 +115,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
             "replays",
             "real_min", "real_max", "real_cv_pct", "real_page_faults",
             "probe_drift_pct", "duty_slowdown", "sim_speed_adjusted",
-            "speed_adjusted_error_pct", "run_speed_min", "run_speed_max"}  # fmt: skip
+            "speed_adjusted_error_pct", "run_speed_min", "run_speed_max",
+            "host_speed_p10", "host_speed_p90"}  # fmt: skip
     for r in records:
         assert set(r) == keys and r["cls"] in CLASSES
         # the diagnostic: the simulator rerun at each replay's measured speed
@@ -401,6 +404,30 @@ def test_a_runs_speed_is_its_measured_over_its_predicted_time_without_wake_ups()
             {"measured_s": 0.030, "predicted_s": 0.025, "wake_s": 0.005}]  # fmt: skip
     assert run_speed(rows) == pytest.approx((0.012 + 0.025) / (0.010 + 0.020))
     assert run_speed([]) == 1.0  # nothing timed: no evidence of a speed
+
+
+def test_the_hosts_speed_is_read_second_by_second_within_a_run():
+    """Per 1-second window of a run (by the iterations' start), its measured over its predicted
+    time; a window with under 0.1 s of measured work is left out; the records keep p10 and p90
+    over the windows, and the summary line the widest range."""
+
+    def rows(start_s: float, n: int, speed: float, step_s: float = 0.01) -> list[dict]:
+        return [{"start_s": start_s + i * step_s, "measured_s": speed * step_s,
+                 "predicted_s": step_s, "wake_s": 0.0} for i in range(n)]  # fmt: skip
+
+    run = rows(0.0, 50, 1.0) + rows(1.0, 50, 1.5) + rows(2.0, 3, 3.0) + rows(5.2, 40, 0.8)
+    assert window_speeds(run) == pytest.approx([1.0, 1.5, 0.8])
+    summary = {"classes": {c: {"count": 2, "ttft_s": {"mean": 1.0},
+                               "turnaround_s": {"mean": 2.0}} for c in CLASSES},
+               "throughput": {"jobs_per_s": 4.0}}  # fmt: skip
+    records = records_of("fcfs", 1.0, "light", [summary], summary, windows=window_speeds(run))
+    assert records[0]["host_speed_p10"] == pytest.approx(np.percentile([1.0, 1.5, 0.8], 10),
+                                                         abs=1e-3)  # fmt: skip
+    assert records[0]["host_speed_p90"] == pytest.approx(np.percentile([1.0, 1.5, 0.8], 90),
+                                                         abs=1e-3)  # fmt: skip
+    assert "host speed per second within runs" in summary_line(records)
+    plain = records_of("fcfs", 1.0, "light", [summary], summary)
+    assert plain[0]["host_speed_p10"] is None and "host speed" not in summary_line(plain)
 
 
 def test_the_speed_adjusted_diagnostic_compares_the_mean_rerun_with_the_real_mean():
