@@ -7,8 +7,9 @@ than inside an iteration, where the rest of the model streamed through the cache
 
 - prefill iterations of one sequence of n tokens (``grid.prefill_tokens``) give
   ``attn_prefill(n)`` and ``router(n)``;
-- prefill iterations of k sequences of the grid's longest prompt P each
-  (``grid.prefill_batch``, optional) give ``router(k P)`` and their expert samples: a batched
+- prefill iterations of k sequences of the grid's longest prompt P each, k = N // P for each
+  N of ``grid.prefill_batch_tokens`` (optional; k < 2 skipped) give ``router(k P)`` and
+  their expert samples: a batched
   prefill (TGI's, up to ``max_batch_prefill_tokens`` = 4096) feeds the router and the experts
   many more tokens than one prompt, and a curve read beyond its last point extrapolates
   linearly where the time per token still falls (tiny models' prefills of 1,025-4,096 tokens
@@ -160,8 +161,8 @@ class Settings:
     wake_idle_ms: tuple[int, ...] = (2, 10, 50, 200, 1000)  # empty: no wake_up op
     wake_repeats: int = 9
     chunk_kv: tuple[int, ...] = ()  # cached prefixes under each chunk; empty: no attn_chunk
-    # prefill batches of this many prompts of max(prefill_tokens) each; empty: none
-    prefill_batch: tuple[int, ...] = ()
+    # batched prefills of about this many tokens (``prefill_batches``); empty: none
+    prefill_batch_tokens: tuple[int, ...] = ()
     passes: int = 1  # sweeps of the grid, each shape's repeats split over them (<= repeats)
 
     def __post_init__(self) -> None:
@@ -182,7 +183,8 @@ class Settings:
             passes=int(cfg.get("passes") or 1),
         )
         out.chunk_kv = tuple(sorted({int(x) for x in grid.get("chunk_kv") or ()}))
-        out.prefill_batch = tuple(sorted({int(x) for x in grid.get("prefill_batch") or ()}))
+        batched = grid.get("prefill_batch_tokens") or ()
+        out.prefill_batch_tokens = tuple(sorted({int(x) for x in batched}))
         wake = cfg.get("wake")
         if wake is not None:
             out.wake_idle_ms = tuple(sorted({int(x) for x in wake["idle_ms"]}))
@@ -206,8 +208,8 @@ class Settings:
             raise SettingsError("routing.prompts and routing.prompt_tokens must be >= 1")
         if self.chunk_kv and min(self.chunk_kv) < 1:
             raise SettingsError("grid.chunk_kv must be integers >= 1 (or empty)")
-        if self.prefill_batch and min(self.prefill_batch) < 2:
-            raise SettingsError("grid.prefill_batch must be prompt counts >= 2 (or empty)")
+        if self.prefill_batch_tokens and min(self.prefill_batch_tokens) < 1:
+            raise SettingsError("grid.prefill_batch_tokens must be integers >= 1 (or empty)")
         if self.wake_idle_ms and (min(self.wake_idle_ms) < 1 or self.wake_repeats < 1):
             raise SettingsError("wake.idle_ms must be integers >= 1 and wake.repeats >= 1")
 
@@ -219,8 +221,16 @@ class Settings:
     def num_iterations(self) -> int:
         """Iteration shapes profiled (the progress bar's length)."""
         decode = len(self.decode_batch) * len(self.decode_kv)
-        prefill = len(self.prefill_tokens) * (1 + len(self.chunk_kv)) + len(self.prefill_batch)
+        prefill = len(self.prefill_tokens) * (1 + len(self.chunk_kv)) + len(self.prefill_batches)
         return prefill + decode
+
+    @property
+    def prefill_batches(self) -> list[int]:
+        """The batched prefills' prompt counts: N // P prompts of P = max(prefill_tokens) for
+        each N of ``prefill_batch_tokens``, those of 2 prompts or more (one prompt of up to P
+        tokens is a plain prefill)."""
+        longest = max(self.prefill_tokens)
+        return sorted({k for n in self.prefill_batch_tokens if (k := n // longest) >= 2})
 
 
 @dataclass
@@ -484,7 +494,7 @@ class Profiler:
         anything is timed: the first calls of a new GEMM shape pick (on CUDA, load) kernels,
         and the per-shape warm-up alone would leave that to the first shape of each size."""
         s = self.settings
-        prompts = max(s.prefill_batch, default=1)  # the largest prefill: one or a batch
+        prompts = max(s.prefill_batches, default=1)  # the largest prefill: one or a batch
         self.runner.run(self.runner.begin(self.prompts([max(s.prefill_tokens)] * prompts)))
         seqs = self.prompts([min(s.decode_kv)] * max(s.decode_batch))
         for _ in range(2):  # the prefill, then a decode step
@@ -518,7 +528,7 @@ class Profiler:
                     self.chunk(n, kv, repeats)
                 if bar is not None:
                     bar.update()
-        for k in s.prefill_batch:
+        for k in s.prefill_batches:
             self.prefill(max(s.prefill_tokens), repeats, prompts=k)
             if bar is not None:
                 bar.update()

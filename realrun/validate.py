@@ -102,8 +102,8 @@ def covering_grid(
     """The profile grid extended to every shape a run can form: decode batches up to the
     largest a policy can form, prefills up to the longest prompt, contexts up to the longest
     prompt + output (one point added at each end that falls short; none inside), batched
-    prefills up to ``largest_prefill`` tokens (``prefill_batch``: prompts of the grid's
-    longest prefill, doubling from 2 up to enough of them; the time per token of the router
+    prefills up to ``largest_prefill`` tokens (``prefill_batch_tokens``: 2, 4, 8, ... prompts
+    of the grid's longest prefill, up to enough of them; the time per token of the router
     and the experts still falls there, which one end point would extrapolate linearly) and
     expert queues up to the largest prefill (doubling: one expert can get every token of a
     prefill); and the lines saying what was added."""
@@ -115,14 +115,14 @@ def covering_grid(
             grid[key] = [*values, need]
             added.append(f"{key} to {need}")
     longest = max(int(v) for v in grid["prefill_tokens"])
-    batches = sorted({int(v) for v in grid.get("prefill_batch") or ()})
-    if largest_prefill > longest * max(batches, default=1):
+    batches = sorted({int(v) for v in grid.get("prefill_batch_tokens") or ()})
+    if largest_prefill > max([longest, *(n // longest * longest for n in batches)]):
         need, k = math.ceil(largest_prefill / longest), 2
         while k < need:
-            batches.append(k)
+            batches.append(k * longest)
             k *= 2
-        grid["prefill_batch"] = sorted({*batches, need})
-        added.append(f"prefill_batch to {need} prompts of {longest} tokens")
+        grid["prefill_batch_tokens"] = sorted({*batches, need * longest})
+        added.append(f"prefill_batch_tokens to {need * longest} ({need} prompts of {longest})")
     experts, most = sorted({int(v) for v in grid["expert_tokens"]}), max(largest_prefill, longest)
     if most > experts[-1]:
         while experts[-1] < most:

@@ -38,7 +38,7 @@ SMALL = [
     "grid.decode_kv=[8]",
     "grid.expert_tokens=[1,4,16]",
     "grid.chunk_kv=[8]",
-    "grid.prefill_batch=[2]",
+    "grid.prefill_batch_tokens=[8,32,40]",  # 16-token prompts: 2 of them (and 1: skipped)
     "warmup=0",
     "repeats=1",
     "routing.prompts=2",
@@ -590,7 +590,7 @@ def test_a_router_sample_is_an_iterations_mean_over_its_layers():
 
 
 def test_a_batched_prefill_files_its_router_and_experts_not_its_attention(monkeypatch):
-    """grid.prefill_batch: k prompts of the longest prefill_tokens in one iteration (TGI's
+    """grid.prefill_batch_tokens: k prompts of the longest prefill_tokens in one iteration (TGI's
     batched prefill): the router sample is keyed by the k P tokens, the expert stages are
     samples, the attention stage (every prompt's) is not filed as attn_prefill(k P); the
     self-check predicts that batch of k prompts."""
@@ -605,7 +605,7 @@ def test_a_batched_prefill_files_its_router_and_experts_not_its_attention(monkey
 
     monkeypatch.setattr(runner, "begin", recording_begin)
     settings = Settings([4, 12], [1], [8], [1, 16, 64], warmup=0, repeats=2, wake_idle_ms=(),
-                        prefill_batch=(3,))  # fmt: skip
+                        prefill_batch_tokens=(12, 36, 40))  # fmt: skip
     prof = Profiler(runner, settings, torch.device("cpu"))
     prof.grid_pass()
     assert settings.num_iterations == 4
@@ -620,5 +620,6 @@ def test_a_batched_prefill_files_its_router_and_experts_not_its_attention(monkey
     check = measure.build_profile(prof, info, "t", points).extra["self_check"]
     row = next(r for r in check["shapes"] if r["tokens"] == 36)
     assert row["phase"] == "prefill" and row["batch_size"] == 3
-    with pytest.raises(measure.SettingsError, match="prefill_batch"):
-        replace(settings, prefill_batch=(1,)).validate()
+    assert settings.prefill_batches == [3]  # 12 tokens: one prompt; 36 and 40: three
+    with pytest.raises(measure.SettingsError, match="prefill_batch_tokens"):
+        replace(settings, prefill_batch_tokens=(0,)).validate()

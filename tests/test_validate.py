@@ -237,12 +237,12 @@ def test_the_grid_is_extended_to_every_shape_a_run_forms_and_only_at_its_ends():
     # a batched prefill of up to 1,000 tokens: prompts of 64, doubling up to 16 of them; expert
     # queues up to the whole 1,000 (one expert can get every token), doubling
     got, added = covering_grid(grid, 16, 64, 160, largest_prefill=1000)
-    assert got["prefill_batch"] == [2, 4, 8, 16]
+    assert got["prefill_batch_tokens"] == [128, 256, 512, 1024]
     assert got["expert_tokens"] == [1, 8, 64, 128, 256, 512, 1000]
-    assert added == ["prefill_batch to 16 prompts of 64 tokens", "expert_tokens to 1000"]
+    assert added == ["prefill_batch_tokens to 1024 (16 prompts of 64)", "expert_tokens to 1000"]
     assert covering_grid(grid, 16, 64, 160, largest_prefill=64) == (grid, [])
     # a grid that already covers it is left as it is
-    covered = {**grid, "prefill_batch": [16], "expert_tokens": [1, 8, 1024]}
+    covered = {**grid, "prefill_batch_tokens": [1024], "expert_tokens": [1, 8, 1024]}
     assert covering_grid(covered, 16, 64, 160, largest_prefill=1000) == (covered, [])
     # a longer prompt than the expert grid's end: that far too
     got, added = covering_grid({**grid, "expert_tokens": [1, 8]}, 16, 40, 160)
