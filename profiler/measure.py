@@ -13,10 +13,8 @@ than inside an iteration, where the rest of the model streamed through the cache
   prefill (TGI's, up to ``max_batch_prefill_tokens`` = 4096) feeds the router and the experts
   many more tokens than one prompt, and a curve read beyond its last point extrapolates
   linearly where the time per token still falls (tiny models' prefills of 1,025-4,096 tokens
-  were predicted 7-15% long from a grid ending at 256); their attention stage, one call per
-  prompt, gives ``attn_prefill_prompts(k, k P)``: the prompts after the first run with the
-  layer's weights warm (16 prompts of 256 tokens: 76.5 ms where 16 single prompts add up to
-  86.2 on tiny-mixtral);
+  were predicted 7-15% long from a grid ending at 256); their attention stages, one call per
+  prompt, are not filed (``attn_prefill(P)`` covers each);
 - decode iterations of B sequences with kv cached tokens each (``grid.decode_batch`` x
   ``grid.decode_kv``, distinct random prompts) give ``attn_decode(B, kv)``, ``router(B)``,
   ``lm_head(B)`` and ``step_overhead(B)``: the iteration's mean time minus the medians of its
@@ -408,14 +406,12 @@ class Profiler:
     def record(self, runs: list, num_tokens: int, batch: int = 0, kv: int = 0,
                prompts: int = 1) -> None:  # fmt: skip
         """File a shape's stage times under their ops: a prefill of ``num_tokens`` (batch 0)
-        in ``prompts`` equal prompts (their attention as ``attn_prefill_prompts``), or a
-        decode ``batch`` with ``kv`` cached tokens each (which also gives lm_head and
-        step_overhead)."""
-        attention = (("attn_decode", batch, 0, kv) if batch
-                     else ("attn_prefill", 0, num_tokens, 0) if prompts == 1
-                     else ("attn_prefill_prompts", prompts, num_tokens, 0))  # fmt: skip
-        ops = {"attention": attention, "router": ("router", 0, num_tokens, 0),
-               "lm_head": ("lm_head", batch, 0, 0)}  # fmt: skip
+        in ``prompts`` equal prompts (attention filed for one only), or a decode ``batch``
+        with ``kv`` cached tokens each (which also gives lm_head and step_overhead)."""
+        attention = ("attn_decode", batch, 0, kv) if batch else ("attn_prefill", 0, num_tokens, 0)
+        ops = {"router": ("router", 0, num_tokens, 0), "lm_head": ("lm_head", batch, 0, 0)}
+        if batch or prompts == 1:  # a prefill batch's attention stage runs every prompt's
+            ops["attention"] = attention
         counts: dict[tuple, int] = defaultdict(int)  # stages of each op in one iteration
         filed: dict[tuple, int] = defaultdict(int)  # samples of each op filed by this call
         expert_ms = []  # per run: the experts' summed time

@@ -101,17 +101,6 @@ op                        key columns (others are 0)     what was timed
                                                          all, through a layer's norm +
                                                          attention in one call (the grid's
                                                          prompts are equally long)
-``attn_prefill_prompts``  batch_size, num_tokens         optional: the attention of a
-                                                         prefill of batch_size prompts of
-                                                         num_tokens / batch_size tokens
-                                                         each, one call per prompt (as the
-                                                         real runner calls it): a
-                                                         ``per_prompt`` prefill of k prompts
-                                                         costs the sum of their
-                                                         ``attn_prefill`` less what each
-                                                         prompt after the first saved here
-                                                         (the layer's weights still warm);
-                                                         absent: the sum
 ``preempt_switch``        num_tokens                     optional: saving and restoring the
                                                          in-flight state of a suspended batch
                                                          of num_tokens new tokens, once per
@@ -152,7 +141,6 @@ OPS: dict[str, tuple[str, ...]] = {
     "lm_head": ("batch_size",),
     "step_overhead": ("batch_size",),
     "attn_prefill_batch": ("batch_size", "num_tokens"),
-    "attn_prefill_prompts": ("batch_size", "num_tokens"),
     "attn_chunk": ("num_tokens", "kv_tokens"),
     "preempt_switch": ("num_tokens",),
     "wake_up": ("idle_ms", "busy_ms"),
@@ -162,7 +150,6 @@ OPTIONAL_OPS = frozenset(
     {
         "attn_decode_bind",
         "attn_prefill_batch",
-        "attn_prefill_prompts",
         "attn_chunk",
         "preempt_switch",
         "wake_up",

@@ -629,20 +629,6 @@ class LatencyModel:
             )
         self.attn_prefill_batch = Curve2D(batch_points, "num_tokens") if batch_points else None
         self.prefill_batched = self.prefill_attention == "batched"
-        # per_prompt prefills of k prompts: what each prompt after the first saves (seconds),
-        # from ``attn_prefill_prompts`` (k = 1 saves nothing; held beyond the last k)
-        self._prompt_saving: tuple[list[float], list[float]] | None = None
-        self._savings: dict[int, float] = {}
-        prompt_points = profile.op_points("attn_prefill_prompts")
-        if prompt_points and not self.prefill_batched:
-            saved: dict[int, list[float]] = defaultdict(list)
-            for p in prompt_points:
-                k = p.batch_size
-                alone = k * self.attn_prefill.scalar(p.num_tokens / k)
-                saved[k].append(max(alone - p.median_ms / 1e3, 0.0) / (k - 1))
-            ks = sorted(saved)
-            self._prompt_saving = ([1.0, *map(float, ks)],
-                                   [0.0, *(float(np.mean(saved[k])) for k in ks)])  # fmt: skip
         chunk_points = profile.op_points("attn_chunk")
         self.attn_chunk = (Curve2D(chunk_points, "num_tokens", row_key="kv_tokens")
                            if chunk_points else None)  # fmt: skip
@@ -690,12 +676,7 @@ class LatencyModel:
         if batch.phase is Phase.PREFILL:
             if self.prefill_batched:
                 return self.attn_prefill_batch(batch.size, batch.new_tokens)
-            each = [self.attn_prefill.scalar(s.new_tokens) for s in batch.sequences]
-            if len(each) > 1 and self._prompt_saving is not None:
-                # the prompts after the first: the layer's weights warm (attn_prefill_prompts)
-                return max(sum(each) - (len(each) - 1) * self.prompt_saving_s(len(each)),
-                           max(each))  # fmt: skip
-            return sum(each)
+            return sum(self.attn_prefill.scalar(s.new_tokens) for s in batch.sequences)
         if batch.phase is Phase.MIXED:  # prefill chunks one by one, decode steps batched
             pre = [s for s in batch.sequences if s.phase is Phase.PREFILL]
             dec = [s for s in batch.sequences if s.phase is Phase.DECODE]
@@ -706,16 +687,6 @@ class LatencyModel:
         # decode attention runs on the batch's caches right-padded to the longest context
         kv = max(s.context_tokens for s in batch.sequences)
         return decode(batch.size, kv)
-
-    def prompt_saving_s(self, prompts: int) -> float:
-        """What each prompt after the first saves in the attention of a per_prompt prefill of
-        ``prompts`` prompts (``attn_prefill_prompts``; 0 without it)."""
-        if self._prompt_saving is None:
-            return 0.0
-        saving = self._savings.get(prompts)
-        if saving is None:
-            saving = self._savings[prompts] = float(np.interp(prompts, *self._prompt_saving))
-        return saving
 
     def chunk_attention_s(self, prefix_tokens: int, chunk_tokens: int) -> float:
         """A prefill chunk's attention over its cached prefix: ``attn_chunk`` when the profile

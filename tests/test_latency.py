@@ -13,7 +13,7 @@ from conftest import linear_profile
 from hydra import compose, initialize_config_dir
 
 from policies import Request, Scheduler
-from policies.core import BE, Batch, Phase, Sequence
+from policies.core import Batch, Phase, Sequence
 from policies.qllm import QLLM
 from profiler.schema import OpPoint, Profile
 from sim import profiles
@@ -317,33 +317,3 @@ def test_the_engines_host_time_is_charged_once_per_iteration_by_batch_size(tmp_p
         batch.plan = model.plan(batch)
         runs.append(model.decode_run(batch, 5).totals_s)
     assert runs[1] - runs[0] == pytest.approx(np.full(5, 0.5e-3))
-
-
-def test_a_prefill_of_several_prompts_saves_what_the_profile_measured_per_extra_prompt():
-    """attn_prefill_prompts: 4 prompts of 16 tokens took 2.5 ms per layer where one takes 1.0
-    (0.5 ms saved by each prompt after the first); 8 prompts 4.2 (0.543). A per_prompt
-    prefill of k prompts is charged the sum less (k - 1) x the saving at k (interpolated in k,
-    held beyond the last), never less than its longest prompt; one prompt, or a profile
-    without the op, the plain sum."""
-    base = linear_profile()
-    measured = [
-        OpPoint("attn_prefill_prompts", batch_size=4, num_tokens=64, median_ms=2.5),
-        OpPoint("attn_prefill_prompts", batch_size=8, num_tokens=128, median_ms=4.2),
-    ]
-    model = LatencyModel(replace(base, points=base.points + measured))
-    plain = LatencyModel(base)
-
-    def prefill(k: int, tokens: int = 16) -> Batch:
-        return Batch([Sequence(Request(i, BE, 0.0, tokens, 2)) for i in range(k)], Phase.PREFILL)
-
-    assert model.prompt_saving_s(4) == pytest.approx(0.5e-3)
-    assert model.prompt_saving_s(6) == pytest.approx((0.5e-3 + 3.8e-3 / 7) / 2)
-    assert model.prompt_saving_s(16) == pytest.approx(3.8e-3 / 7)
-    assert model.attention_s(prefill(4)) == pytest.approx(2.5e-3)
-    assert model.attention_s(prefill(1)) == plain.attention_s(prefill(1)) == pytest.approx(1e-3)
-    assert plain.attention_s(prefill(4)) == pytest.approx(4e-3)
-    assert model.attention_s(prefill(40)) == pytest.approx(40e-3 - 39 * 3.8e-3 / 7)
-    # a saving larger than a prompt's own attention: never less than the longest prompt's
-    odd = [OpPoint("attn_prefill_prompts", batch_size=4, num_tokens=64, median_ms=0.2)]
-    assert LatencyModel(replace(base, points=base.points + odd)).attention_s(
-        prefill(4)) == pytest.approx(1e-3)  # fmt: skip

@@ -61,7 +61,6 @@ def test_every_tiny_model_profiles_on_the_cpu(tmp_path, model):
     assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS | {
         "attn_chunk",
         "attn_decode_bind",
-        "attn_prefill_prompts",
     }
     assert loaded.model == profile.model and loaded.model.name == model
     assert loaded.dtype == "float32" and loaded.torch_version == torch.__version__
@@ -175,7 +174,6 @@ def test_profiler_runs_on_cuda(tmp_path):
     assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS | {
         "attn_chunk",
         "attn_decode_bind",
-        "attn_prefill_prompts",
     }
     assert loaded.dtype == "bfloat16" and loaded.extra["device_type"] == "cuda"
     shutil.rmtree(directory)
@@ -591,11 +589,11 @@ def test_a_router_sample_is_an_iterations_mean_over_its_layers():
     assert prof.samples[("step_overhead", 1, 0, 0)] == [pytest.approx(0.2)]
 
 
-def test_a_batched_prefill_files_its_router_experts_and_attention_of_k_prompts(monkeypatch):
-    """grid.prefill_batch_tokens: k prompts of the longest prefill_tokens in one iteration
-    (TGI's batched prefill): the router sample is keyed by the k P tokens, the expert stages
-    are samples, the attention stage (every prompt's) is attn_prefill_prompts(k, k P), not
-    attn_prefill(k P); the self-check predicts that batch of k prompts."""
+def test_a_batched_prefill_files_its_router_and_experts_not_its_attention(monkeypatch):
+    """grid.prefill_batch_tokens: k prompts of the longest prefill_tokens in one iteration (TGI's
+    batched prefill): the router sample is keyed by the k P tokens, the expert stages are
+    samples, the attention stage (every prompt's) is not filed as attn_prefill(k P); the
+    self-check predicts that batch of k prompts."""
     model, info = build_model("tiny-mixtral")
     runner = ModelRunner(model)
     begun = []
@@ -617,7 +615,6 @@ def test_a_batched_prefill_files_its_router_experts_and_attention_of_k_prompts(m
     points = prof.table()
     assert {p.num_tokens for p in points if p.op == "router"} == {1, 4, 12, 36}
     assert {p.num_tokens for p in points if p.op == "attn_prefill"} == {4, 12}
-    assert [p.key() for p in points if p.op == "attn_prefill_prompts"] == [(3, 36)]
     assert max(n for n, _ in prof.expert_samples) > 12  # more than one prompt's tokens
     assert len(prof.totals[(0, 36, 0, 3)]) == 2
     check = measure.build_profile(prof, info, "t", points).extra["self_check"]
