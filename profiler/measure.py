@@ -9,12 +9,11 @@ than inside an iteration, where the rest of the model streamed through the cache
   ``attn_prefill(n)`` and ``router(n)``;
 - prefill iterations of k sequences of the grid's longest prompt P each, k = N // P for each
   N of ``grid.prefill_batch_tokens`` (optional; k < 2 skipped) give ``router(k P)`` and
-  their expert samples: a batched
-  prefill (TGI's, up to ``max_batch_prefill_tokens`` = 4096) feeds the router and the experts
-  many more tokens than one prompt, and a curve read beyond its last point extrapolates
-  linearly where the time per token still falls (tiny models' prefills of 1,025-4,096 tokens
-  were predicted 7-15% long from a grid ending at 256); their attention stages, one call per
-  prompt, are not filed (``attn_prefill(P)`` covers each);
+  their expert samples: a batched prefill (TGI's, up to ``max_batch_prefill_tokens`` = 4096)
+  feeds the router and the experts many more tokens than one prompt, which their curves would
+  otherwise extrapolate linearly from one prompt's. The attention stage, one call per prompt,
+  is not filed: ``attn_prefill(P)`` is charged per prompt (the validation's batched prefills
+  stay predicted long: their later prompts run with warm weights, see the README);
 - decode iterations of B sequences with kv cached tokens each (``grid.decode_batch`` x
   ``grid.decode_kv``, distinct random prompts) give ``attn_decode(B, kv)``, ``router(B)``,
   ``lm_head(B)`` and ``step_overhead(B)``: the iteration's mean time minus the medians of its
@@ -406,8 +405,8 @@ class Profiler:
     def record(self, runs: list, num_tokens: int, batch: int = 0, kv: int = 0,
                prompts: int = 1) -> None:  # fmt: skip
         """File a shape's stage times under their ops: a prefill of ``num_tokens`` (batch 0)
-        in ``prompts`` equal prompts (attention filed for one only), or a decode ``batch``
-        with ``kv`` cached tokens each (which also gives lm_head and step_overhead)."""
+        in ``prompts`` equal prompts (attention only when one prompt), or a decode ``batch`` with
+        ``kv`` cached tokens each (which also gives lm_head and step_overhead)."""
         attention = ("attn_decode", batch, 0, kv) if batch else ("attn_prefill", 0, num_tokens, 0)
         ops = {"router": ("router", 0, num_tokens, 0), "lm_head": ("lm_head", batch, 0, 0)}
         if batch or prompts == 1:  # a prefill batch's attention stage runs every prompt's
