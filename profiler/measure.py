@@ -11,9 +11,19 @@ than inside an iteration, where the rest of the model streamed through the cache
   N of ``grid.prefill_batch_tokens`` (optional; k < 2 skipped) give ``router(k P)`` and
   their expert samples: a batched prefill (TGI's, up to ``max_batch_prefill_tokens`` = 4096)
   feeds the router and the experts many more tokens than one prompt, which their curves would
-  otherwise extrapolate linearly from one prompt's. The attention stage, one call per prompt,
-  is not filed: ``attn_prefill(P)`` is charged per prompt (the validation's batched prefills
-  stay predicted long: their later prompts run with warm weights, see the README);
+  otherwise extrapolate linearly from one prompt's. Their attention stage runs one call per
+  prompt: it is filed split (below), not as ``attn_prefill``;
+- prefill iterations of two prompts of each ``grid.prefill_tokens`` length n >= 2
+  (``grid.prefill_pairs``, default true) and the batched prefills split their attention
+  stages where they run: the clock is read around each prompt's self-attention call
+  (``ModelRunner.call_clock``). What the stage spends outside the calls (the previous layer's
+  combine, the input norm, joining the calls' outputs, the residual: once per iteration, over
+  all N tokens) gives ``attn_prefill_outer(N)`` (single prompts give it too), and the mean of
+  the calls after the first (each from the end of the one before) ``attn_prefill_next(n)``:
+  a later prompt runs on weights the first call left warm. On tiny-mixtral (one thread) a
+  later prompt of 32 tokens added 0.27 ms a layer against the first's 0.29 ms (its stage 0.38
+  ms, 0.09 of it outside the calls), and 8 prompts of 32 tokens took 9.7 ms of attention
+  where the sum of single prompts said 12.4 (the split, 9.4);
 - decode iterations of B sequences with kv cached tokens each (``grid.decode_batch`` x
   ``grid.decode_kv``, distinct random prompts) give ``attn_decode(B, kv)``, ``router(B)``,
   ``lm_head(B)`` and ``step_overhead(B)``: the iteration's mean time minus the medians of its
@@ -162,6 +172,9 @@ class Settings:
     chunk_kv: tuple[int, ...] = ()  # cached prefixes under each chunk; empty: no attn_chunk
     # batched prefills of about this many tokens (``prefill_batches``); empty: none
     prefill_batch_tokens: tuple[int, ...] = ()
+    # also a prefill of two prompts of each prefill_tokens length (2 and more): what a prompt
+    # after a batch's first adds to its attention stage (attn_prefill_next)
+    prefill_pairs: bool = True
     passes: int = 1  # sweeps of the grid, each shape's repeats split over them (<= repeats)
 
     def __post_init__(self) -> None:
@@ -184,6 +197,10 @@ class Settings:
         out.chunk_kv = tuple(sorted({int(x) for x in grid.get("chunk_kv") or ()}))
         batched = grid.get("prefill_batch_tokens") or ()
         out.prefill_batch_tokens = tuple(sorted({int(x) for x in batched}))
+        pairs = grid.get("prefill_pairs", True)
+        if not isinstance(pairs, bool):
+            raise SettingsError(f"grid.prefill_pairs={pairs}: must be true or false")
+        out.prefill_pairs = pairs
         wake = cfg.get("wake")
         if wake is not None:
             out.wake_idle_ms = tuple(sorted({int(x) for x in wake["idle_ms"]}))
@@ -221,7 +238,13 @@ class Settings:
         """Iteration shapes profiled (the progress bar's length)."""
         decode = len(self.decode_batch) * len(self.decode_kv)
         prefill = len(self.prefill_tokens) * (1 + len(self.chunk_kv)) + len(self.prefill_batches)
-        return prefill + decode
+        return prefill + len(self.prefill_pairs_tokens) + decode
+
+    @property
+    def prefill_pairs_tokens(self) -> list[int]:
+        """The prompt lengths profiled in pairs (``prefill_pairs``): those of 2 tokens or more
+        (two 1-token prompts run as a decode step)."""
+        return [n for n in self.prefill_tokens if n >= 2] if self.prefill_pairs else []
 
     @property
     def prefill_batches(self) -> list[int]:
@@ -237,30 +260,54 @@ class StageTime:
     ref: StageRef
     tokens: int  # the expert's queue size (expert stages only)
     ms: float
+    # a prefill's attention stage: each prompt's self-attention call, the first from just
+    # before it, each later one from the end of the one before (the slicing for it included)
+    calls: list[float] | None = None
 
 
 class StageClock:
     """Times every stage of an iteration where it runs: a CPU clock read at each boundary, or
     CUDA events recorded at each boundary and read once the iteration is over. The events are
-    made once and reused by every iteration (all are read before the next one records)."""
+    made once and reused by every iteration (all are read before the next one records). Inside
+    a prefill's attention stage it also reads the clock around each prompt's self-attention
+    (``ModelRunner.call_clock``; on CUDA events of a second pool, reused the same way)."""
 
     def __init__(self, device: torch.device, clock: str = "wall") -> None:
         self.cuda = device.type == "cuda"
         self.clock = CLOCKS[clock]
         self.events: list = []  # CUDA events, one per stage boundary
+        self.call_events: list = []  # and those read around the calls, in order of use
+        self._calls = 0  # call events used by this iteration
 
     def iteration(self, runner: ModelRunner, seqs: list[KVSequence]) -> tuple[float, list]:
         """(total ms, [StageTime]) of one whole iteration of ``seqs``."""
         state = runner.begin(seqs)
-        refs, tokens, marks = [], [], [self._mark(0)]
-        while not state.done:
-            ref = runner.next_stage(state)
-            tokens.append(state.queue_size(ref.expert) if ref.stage == "expert" else 0)
-            runner.step(state)
-            marks.append(self._mark(len(marks)))
-            refs.append(ref)
+        refs, tokens, calls, marks = [], [], [], [self._mark(0)]
+        runner.call_clock, self._calls = self._call_mark, 0
+        try:
+            while not state.done:
+                ref = runner.next_stage(state)
+                tokens.append(state.queue_size(ref.expert) if ref.stage == "expert" else 0)
+                state.call_marks = None
+                runner.step(state)
+                marks.append(self._mark(len(marks)))
+                refs.append(ref)
+                calls.append(state.call_marks)
+        finally:
+            runner.call_clock = None
         ms = self._elapsed(marks)
-        return sum(ms), [StageTime(r, n, t) for r, n, t in zip(refs, tokens, ms, strict=True)]
+        return sum(ms), [StageTime(r, n, t, c and self._elapsed(c))
+                         for r, n, t, c in zip(refs, tokens, ms, calls, strict=True)]  # fmt: skip
+
+    def _call_mark(self):
+        if not self.cuda:
+            return self.clock()
+        if self._calls == len(self.call_events):
+            self.call_events.append(torch.cuda.Event(enable_timing=True))
+        event = self.call_events[self._calls]
+        self._calls += 1
+        event.record()
+        return event
 
     def _mark(self, boundary: int):
         if not self.cuda:
@@ -411,6 +458,9 @@ class Profiler:
         ops = {"router": ("router", 0, num_tokens, 0), "lm_head": ("lm_head", batch, 0, 0)}
         if batch or prompts == 1:  # a prefill batch's attention stage runs every prompt's
             ops["attention"] = attention
+        # a prefill's attention stage, split (attn_prefill_outer, attn_prefill_next)
+        outer = ("attn_prefill_outer", 0, num_tokens, 0)
+        after_first = ("attn_prefill_next", 0, num_tokens // prompts, 0)
         counts: dict[tuple, int] = defaultdict(int)  # stages of each op in one iteration
         filed: dict[tuple, int] = defaultdict(int)  # samples of each op filed by this call
         expert_ms = []  # per run: the experts' summed time
@@ -427,6 +477,10 @@ class Profiler:
                 elif stage in ops and (batch or stage != "lm_head"):
                     self.samples[ops[stage]].append(st.ms)
                     filed[ops[stage]] += 1
+                if st.calls:  # a prefill's attention stage, its prompts' calls timed
+                    self.samples[outer].append(st.ms - sum(st.calls))
+                    if len(st.calls) > 1:
+                        self.samples[after_first].append(float(np.mean(st.calls[1:])))
             expert_ms.append(experts)
             if routers:
                 # one sample per iteration, the mean over its layers: a dense layer (DeepSeek-V3's
@@ -520,8 +574,13 @@ class Profiler:
         if s.warmup:
             self.warm_up()
         repeats = s.pass_repeats(self.passes_done)
+        pairs = set(s.prefill_pairs_tokens)
         for n in s.prefill_tokens:
             self.prefill(n, repeats)
+            if n in pairs:
+                self.prefill(n, repeats, prompts=2)
+                if bar is not None:
+                    bar.update()
             for kv in (0, *s.chunk_kv):
                 if kv:
                     self.chunk(n, kv, repeats)

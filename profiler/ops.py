@@ -44,6 +44,7 @@ import functools
 import inspect
 import platform
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -338,6 +339,9 @@ class IterationState:
     # first copies their caches into it) rather than reuse the last iteration's
     bound: bool = False
     next_tokens: list[int | None] | None = None  # set by lm_head (None: a partial chunk)
+    # a prefill's last attention stage, with ``ModelRunner.call_clock`` set: the clock read
+    # before its first prompt's self-attention and after each prompt's (None: not read)
+    call_marks: list | None = None
     # A merged iteration (``ModelRunner.merge``): the iterations it joined, in token order,
     # each keeping what its own attention needs (offsets, rope, masks, batch KV); the merged
     # state holds the token-wise tensors (residual stream, queues) of all of them.
@@ -502,6 +506,9 @@ class ModelRunner:
         # The last decode batch's padded KV, reused while the same batch decodes on. Weak: the
         # bound sequences keep it alive, and it goes with them.
         self._padded: weakref.ref[_PaddedKV] | None = None
+        # The profiler's clock, read around each prompt's self-attention in a prefill's
+        # attention stage (``IterationState.call_marks``); None: nothing is read
+        self.call_clock: Callable[[], object] | None = None
         self.retains_memory = self.device.type == "cpu" and retain_freed_memory()
 
     def reserve(self, num_bytes: int) -> int:
@@ -745,6 +752,8 @@ class ModelRunner:
         else:
             rows = state.decode_rows
             parts = []
+            clock = self.call_clock if rows is None else None
+            marks = None if clock is None else [clock()]
             for i, s in enumerate(state.sequences):
                 a, b = state.offsets[i], state.offsets[i + 1]
                 if rows is not None and b - a == 1:
@@ -756,6 +765,9 @@ class ModelRunner:
                     **{self._attn_cache_kw: s.cache},
                 )
                 parts.append(o[0])
+                if marks is not None:
+                    marks.append(clock())
+            state.call_marks = marks
             if rows is None:
                 out = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:  # the decode steps' rows in one copy, each chunk's into its own rows

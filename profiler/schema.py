@@ -96,6 +96,26 @@ op                        key columns (others are 0)     what was timed
                                                          kv_tokens = 0 is ``attn_prefill``;
                                                          absent: a chunk costs as a prefill
                                                          of its own tokens
+``attn_prefill_outer``    num_tokens                     optional: the part of a prefill's
+                                                         attention stage outside its prompts'
+                                                         self-attention calls, num_tokens in
+                                                         all (the previous layer's combine,
+                                                         the input norm, joining the calls'
+                                                         outputs, the residual): it runs once
+                                                         per iteration, not per prompt
+``attn_prefill_next``     num_tokens                     optional: what a prompt of
+                                                         num_tokens adds to a prefill's
+                                                         attention stage when it is not the
+                                                         batch's first: its self-attention
+                                                         call, from the end of the one before
+                                                         (the slicing included), on weights
+                                                         the first call left warm. With
+                                                         ``attn_prefill_outer``: a per-prompt
+                                                         batch of prompts n_1..n_k, N tokens,
+                                                         costs attn_prefill(n_1) -
+                                                         outer(n_1) + next(n_2) + ... +
+                                                         next(n_k) + outer(N); absent: the
+                                                         sum of attn_prefill(n_i)
 ``attn_prefill_batch``    batch_size, num_tokens         optional: a prefill batch of
                                                          batch_size prompts, num_tokens in
                                                          all, through a layer's norm +
@@ -141,6 +161,8 @@ OPS: dict[str, tuple[str, ...]] = {
     "lm_head": ("batch_size",),
     "step_overhead": ("batch_size",),
     "attn_prefill_batch": ("batch_size", "num_tokens"),
+    "attn_prefill_outer": ("num_tokens",),
+    "attn_prefill_next": ("num_tokens",),
     "attn_chunk": ("num_tokens", "kv_tokens"),
     "preempt_switch": ("num_tokens",),
     "wake_up": ("idle_ms", "busy_ms"),
@@ -150,6 +172,8 @@ OPTIONAL_OPS = frozenset(
     {
         "attn_decode_bind",
         "attn_prefill_batch",
+        "attn_prefill_outer",
+        "attn_prefill_next",
         "attn_chunk",
         "preempt_switch",
         "wake_up",
@@ -304,6 +328,12 @@ class Profile:
         missing = set(OPS) - OPTIONAL_OPS - {p.op for p in self.points}
         if missing:
             raise ProfileError(f"{where}: no points for ops {sorted(missing)}")
+        split = {"attn_prefill_outer", "attn_prefill_next"} & {p.op for p in self.points}
+        if len(split) == 1:  # the latency model would silently ignore the one given
+            raise ProfileError(
+                f"{where}: {split.pop()} needs both attn_prefill_outer and attn_prefill_next "
+                "(a prefill's attention stage, split)"
+            )
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ProfileError(
                 f"{where}: prefill_attention={self.prefill_attention!r}; expected one of "

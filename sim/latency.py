@@ -628,6 +628,14 @@ class LatencyModel:
                 f"profile {profile.name!r} has no attn_prefill_batch points; use per_prompt"
             )
         self.attn_prefill_batch = Curve2D(batch_points, "num_tokens") if batch_points else None
+        # a per-prompt prefill's attention stage split: its once-per-iteration part and what
+        # each prompt after the first adds (None: the profile does not split it)
+        outer, later = (
+            profile.op_points("attn_prefill_outer"),
+            profile.op_points("attn_prefill_next"),
+        )
+        self.attn_prefill_outer = Curve1D(outer, "num_tokens") if outer and later else None
+        self.attn_prefill_next = Curve1D(later, "num_tokens") if outer and later else None
         self.prefill_batched = self.prefill_attention == "batched"
         chunk_points = profile.op_points("attn_chunk")
         self.attn_chunk = (Curve2D(chunk_points, "num_tokens", row_key="kv_tokens")
@@ -648,6 +656,7 @@ class LatencyModel:
         curves = [self.attn_prefill, self.attn_decode, self.attn_decode_bind, self.router]
         curves += [self.expert, self.lm_head]
         curves += [self.overhead, self.attn_prefill_batch, self.attn_chunk, self.switch]
+        curves += [self.attn_prefill_outer, self.attn_prefill_next]
         return [c for c in curves if c is not None]
 
     def extrapolations(self) -> list[str]:
@@ -676,6 +685,8 @@ class LatencyModel:
         if batch.phase is Phase.PREFILL:
             if self.prefill_batched:
                 return self.attn_prefill_batch(batch.size, batch.new_tokens)
+            if batch.size > 1 and self.attn_prefill_next is not None:
+                return self.prefill_attention_split(batch)
             return sum(self.attn_prefill.scalar(s.new_tokens) for s in batch.sequences)
         if batch.phase is Phase.MIXED:  # prefill chunks one by one, decode steps batched
             pre = [s for s in batch.sequences if s.phase is Phase.PREFILL]
@@ -687,6 +698,17 @@ class LatencyModel:
         # decode attention runs on the batch's caches right-padded to the longest context
         kv = max(s.context_tokens for s in batch.sequences)
         return decode(batch.size, kv)
+
+    def prefill_attention_split(self, batch: Batch) -> float:
+        """A per-prompt prefill of several prompts as the runner runs it: the first prompt's
+        stage (``attn_prefill``) without its once-per-iteration part, what each later prompt
+        adds (``attn_prefill_next``: its call on weights the first left warm), and the
+        once-per-iteration part over all the batch's tokens (``attn_prefill_outer``)."""
+        first, *later = batch.sequences
+        outer = self.attn_prefill_outer
+        t = self.attn_prefill.scalar(first.new_tokens) - outer.scalar(first.new_tokens)
+        t += sum(self.attn_prefill_next.scalar(s.new_tokens) for s in later)
+        return t + outer.scalar(batch.new_tokens)
 
     def chunk_attention_s(self, prefix_tokens: int, chunk_tokens: int) -> float:
         """A prefill chunk's attention over its cached prefix: ``attn_chunk`` when the profile

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from policies import Request, Scheduler
 from policies.core import Batch, Phase, Sequence
 from policies.qllm import QLLM
-from profiler.schema import OpPoint, Profile
+from profiler.schema import OpPoint, Profile, ProfileError
 from sim import profiles
 from sim.app import CONF_DIR
 from sim.config import UserError
@@ -117,6 +117,40 @@ def test_batched_prefill_pays_the_attention_stage_once_per_batch():
     assert per_prompt.plan(batch).attention_s == pytest.approx(4.0e-3)
     single = prefill(300)  # one prompt: the batched op on (1, 300)
     assert LatencyModel(profile).plan(single).attention_s == pytest.approx(1.3e-3)
+
+
+def split_attention_points() -> list[OpPoint]:
+    """attn_prefill_outer(N) = 0.1 ms + 1 us per token; attn_prefill_next(n) = 0.5 ms + 2 us
+    per token (linear_profile's attn_prefill: 1 ms flat)."""
+    outer = [OpPoint("attn_prefill_outer", num_tokens=n, median_ms=0.1 + n / 1000)
+             for n in (1, 4096)]  # fmt: skip
+    later = [OpPoint("attn_prefill_next", num_tokens=n, median_ms=0.5 + n / 500) for n in (1, 4096)]
+    return outer + later
+
+
+def test_a_split_prefill_pays_the_once_per_iteration_part_once_and_later_prompts_warm():
+    """Prompts of 100, 200 and 300 tokens: the first's stage (1 ms) without its outer part
+    (0.2 ms), the later ones' calls (0.9 + 1.1 ms), the outer part over 600 tokens (0.7 ms);
+    one prompt costs its attn_prefill whatever the split says; a profile without the split
+    (or batched attention) charges as before."""
+    profile = with_points(linear_profile(), *split_attention_points())
+    model = LatencyModel(profile)
+    three = prefill(100, 200, 300)
+    assert model.plan(three).attention_s == pytest.approx((1.0 - 0.2 + 0.9 + 1.1 + 0.7) / 1e3)
+    assert model.plan(prefill(300)).attention_s == pytest.approx(1.0e-3)
+    assert LatencyModel(linear_profile()).plan(three).attention_s == pytest.approx(3e-3)
+    batched = with_points(profile, *batch_attention_points(), prefill_attention="batched")
+    assert LatencyModel(batched).plan(three).attention_s == pytest.approx(1.6e-3)
+
+
+def test_half_a_split_is_refused():
+    """One of the two ops alone would be ignored by the latency model: not silently."""
+    outer, later = split_attention_points()[:2], split_attention_points()[2:]
+    for points in (outer, later):
+        with pytest.raises(
+            ProfileError, match="needs both attn_prefill_outer and attn_prefill_next"
+        ):
+            with_points(linear_profile(), *points)
 
 
 def test_builtin_profiles_model_an_engine_that_batches_prefill_attention():

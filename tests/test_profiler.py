@@ -61,6 +61,8 @@ def test_every_tiny_model_profiles_on_the_cpu(tmp_path, model):
     assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS | {
         "attn_chunk",
         "attn_decode_bind",
+        "attn_prefill_outer",
+        "attn_prefill_next",
     }
     assert loaded.model == profile.model and loaded.model.name == model
     assert loaded.dtype == "float32" and loaded.torch_version == torch.__version__
@@ -73,11 +75,14 @@ def test_every_tiny_model_profiles_on_the_cpu(tmp_path, model):
     # the self-check: the latency model against every timed prefill and decode shape
     check = loaded.extra["self_check"]
     shapes = {(r["phase"], r["batch_size"], r["tokens"], r["kv_tokens"]) for r in check["shapes"]}
-    assert shapes == {("prefill", 1, 4, 0), ("prefill", 1, 16, 0), ("prefill", 2, 32, 0),
-                      ("decode", 1, 1, 8), ("decode", 3, 3, 8)}  # fmt: skip
-    # the batched prefill (two prompts of 16): the router at its 32 tokens, attention not
+    assert shapes == {("prefill", 1, 4, 0), ("prefill", 1, 16, 0), ("prefill", 2, 8, 0),
+                      ("prefill", 2, 32, 0), ("decode", 1, 1, 8), ("decode", 3, 3, 8)}  # fmt: skip
+    # the batched prefill and the pair of 16: the router at their 32 tokens; their attention
+    # stage split: the part outside the calls over all 32 tokens, the second prompt's call
     assert 32 in {p.num_tokens for p in loaded.op_points("router")}
     assert 32 not in {p.num_tokens for p in loaded.op_points("attn_prefill")}
+    assert {p.num_tokens for p in loaded.op_points("attn_prefill_outer")} == {4, 8, 16, 32}
+    assert {p.num_tokens for p in loaded.op_points("attn_prefill_next")} == {4, 16}
     assert all(math.isfinite(r["error_pct"]) for r in check["shapes"])
 
 
@@ -174,6 +179,8 @@ def test_profiler_runs_on_cuda(tmp_path):
     assert {p.op for p in loaded.points} == set(OPS) - OPTIONAL_OPS | {
         "attn_chunk",
         "attn_decode_bind",
+        "attn_prefill_outer",
+        "attn_prefill_next",
     }
     assert loaded.dtype == "bfloat16" and loaded.extra["device_type"] == "cuda"
     shutil.rmtree(directory)
@@ -279,7 +286,11 @@ def test_stage_clock_reuses_its_cuda_events(monkeypatch):
         total_ms, stages = clock.iteration(runner, [seq])
         seq.truncate(3, 0)
         assert len(stages) == runner.num_stages and total_ms > 0
-    assert FakeEvent.made == runner.num_stages + 1  # one per boundary, for all iterations
+        # a prefill's attention stages: the call of its one prompt timed
+        calls = [st.calls for st in stages if st.ref.stage == "attention"]
+        assert len(calls) == runner.num_layers and all(len(c) == 1 for c in calls)
+    # one per boundary, and two around each attention call, for all iterations
+    assert FakeEvent.made == runner.num_stages + 1 + 2 * runner.num_layers
 
 
 def test_warm_ups_reach_the_largest_batch_and_prompt(monkeypatch):
@@ -350,6 +361,7 @@ def test_a_slow_stretch_of_the_machine_hits_a_few_samples_of_a_shape(passes):
 
     runner.begin = timed_begin
     profiler.clock.clock = clock
+    profiler.clock._call_mark = lambda: state["now"]  # reads around the calls take no time
     points = profiler.points(progress=False)
     assert profiler.passes_done == passes
     prefill = {p.num_tokens: p.median_ms for p in points if p.op == "attn_prefill"}
@@ -589,10 +601,12 @@ def test_a_router_sample_is_an_iterations_mean_over_its_layers():
     assert prof.samples[("step_overhead", 1, 0, 0)] == [pytest.approx(0.2)]
 
 
-def test_a_batched_prefill_files_its_router_and_experts_not_its_attention(monkeypatch):
+def test_a_batched_prefill_files_its_router_and_experts_and_splits_its_attention(monkeypatch):
     """grid.prefill_batch_tokens: k prompts of the longest prefill_tokens in one iteration (TGI's
     batched prefill): the router sample is keyed by the k P tokens, the expert stages are
-    samples, the attention stage (every prompt's) is not filed as attn_prefill(k P); the
+    samples, the attention stage (every prompt's) is not filed as attn_prefill(k P) but split:
+    its part outside the calls (attn_prefill_outer(k P)) and what each later prompt adds
+    (attn_prefill_next(P)), as the pairs of each prompt length (prefill_pairs) give them; the
     self-check predicts that batch of k prompts."""
     model, info = build_model("tiny-mixtral")
     runner = ModelRunner(model)
@@ -608,13 +622,20 @@ def test_a_batched_prefill_files_its_router_and_experts_not_its_attention(monkey
                         prefill_batch_tokens=(12, 36, 40))  # fmt: skip
     prof = Profiler(runner, settings, torch.device("cpu"))
     prof.grid_pass()
-    assert settings.num_iterations == 4
+    assert settings.num_iterations == 6  # 2 prompts, 2 pairs, 1 batch, 1 decode shape
     assert begun.count((0, 0, 0, 12)) == 2  # its repeats (warmup=0: no warm-up)
+    assert begun.count((0, 0, 12)) == 2 and begun.count((0, 0, 4)) == 2  # the pairs
     prof.warm_up()  # the largest prefill first: the batch
     assert begun[-3] == (0, 0, 0, 12)
     points = prof.table()
-    assert {p.num_tokens for p in points if p.op == "router"} == {1, 4, 12, 36}
+    assert {p.num_tokens for p in points if p.op == "router"} == {1, 4, 8, 12, 24, 36}
     assert {p.num_tokens for p in points if p.op == "attn_prefill"} == {4, 12}
+    assert {p.num_tokens for p in points if p.op == "attn_prefill_outer"} == {4, 8, 12, 24, 36}
+    assert {p.num_tokens for p in points if p.op == "attn_prefill_next"} == {4, 12}
+    # 2 runs x layers stages each of the batch: one outer sample, one of the later calls' mean
+    layers = runner.num_layers
+    assert len(prof.samples[("attn_prefill_outer", 0, 36, 0)]) == 2 * layers
+    assert len(prof.samples[("attn_prefill_next", 0, 12, 0)]) == 2 * 2 * layers  # pair, batch
     assert max(n for n, _ in prof.expert_samples) > 12  # more than one prompt's tokens
     assert len(prof.totals[(0, 36, 0, 3)]) == 2
     check = measure.build_profile(prof, info, "t", points).extra["self_check"]
