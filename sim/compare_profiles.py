@@ -67,9 +67,9 @@ def compare(measured: Profile, reference: Profile) -> dict:
 
 def table(result: dict) -> str:
     lines = [f"{result['reference']} against {result['measured']} (error = reference - measured)",
-             f"{'op':<14} {'points':>6} {'median%':>9} {'mean%':>9} {'max|%|':>9}"]  # fmt: skip
+             f"{'op':<18} {'points':>6} {'median%':>9} {'mean%':>9} {'max|%|':>9}"]  # fmt: skip
     for op, r in result["ops"].items():
-        lines.append(f"{op:<14} {r['points']:>6} {r['median_error_pct']:>9.1f} "
+        lines.append(f"{op:<18} {r['points']:>6} {r['median_error_pct']:>9.1f} "
                      f"{r['mean_error_pct']:>9.1f} {r['max_abs_error_pct']:>9.1f}")  # fmt: skip
     if result["missing"]:
         lines.append(f"not in both: {', '.join(result['missing'])}")
