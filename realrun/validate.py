@@ -935,6 +935,7 @@ def plot(records: list[dict], path: Path) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="validate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    started = time.perf_counter()
     try:
         records, out = run_validation(cfg)
     except UserError as e:
@@ -946,7 +947,9 @@ def main(cfg: DictConfig) -> None:
     for warning in (page_fault_warning(records), drift_warning(records), duty_warning(records)):
         if warning is not None:
             print(warning, file=sys.stderr)
-    print(f"{summary_line(records)} -> {out / 'validation.json'}")
+    took = round(time.perf_counter() - started)  # the budget: 6 minutes a preset
+    print(f"{summary_line(records)} -> {out / 'validation.json'} "
+          f"({took // 60} min {took % 60} s)")  # fmt: skip
 
 
 def cli() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -221,6 +222,7 @@ def test_console_script_prints_the_table(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "error%" in done.stdout and "per-iteration error" in done.stdout
     assert "per-class means: worst |error|" in done.stdout
+    assert re.search(r"validation\.json \(\d+ min \d+ s\)\n", done.stdout)  # how long it took
     assert (tmp_path / "tiny-mixtral-cpu" / "validation.json").is_file()
     bad = subprocess.run([script, "policies=[nope]"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "\n" not in bad.stderr.strip(), bad.stderr
