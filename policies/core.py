@@ -60,7 +60,7 @@ class Request:
             raise ValueError(f"request {self.id}: prompt and output need at least one token")
 
 
-@dataclass
+@dataclass(slots=True, weakref_slot=True)  # slots: read once per token
 class Sequence:
     """A request's execution state, owned by the scheduler while it is in the system."""
 

@@ -30,6 +30,7 @@ in order, until running ones finish.
 from __future__ import annotations
 
 import math
+import operator
 
 from policies.core import Batch, Granularity, Phase
 from policies.scheduler import (
@@ -70,7 +71,8 @@ class IterationFCFS(Policy):
                 self.decode_next = bool(running)
                 return joined
         self.decode_next = False
-        seqs = sorted(s.take_ready("LS", len(running)) + s.take_ready("BE", len(running)), key=_age)
+        seqs = s.take_ready("LS", len(running)) + s.take_ready("BE", len(running))
+        seqs.sort(key=AGE)
         return decode_batch(seqs)
 
     def _join(self, s: Scheduler, running: list) -> Batch | None:
@@ -95,7 +97,8 @@ class IterationFCFS(Policy):
                 )
         if len(admitted) < min_size:
             return None
-        return prefill_batch(s.take_prefill(s.waiting_fifo(), *args, max_reserved_tokens=budget))
+        s.take(admitted)  # what take_prefill would take now: nothing changed since the dry run
+        return prefill_batch(admitted)
 
     def _budget(self, running: list) -> float:
         """KV tokens the joining requests may reserve: what ``max_batch_total_tokens`` leaves
@@ -133,5 +136,4 @@ class IterationFCFS(Policy):
         self.waiting_tokens += len(ends_s)
 
 
-def _age(seq) -> tuple[float, int]:
-    return (seq.request.arrival_s, seq.id)
+AGE = operator.attrgetter("request.arrival_s", "request.id")  # (arrival, id): oldest first

@@ -321,8 +321,10 @@ class Simulation:
         self.run_kept += j
         if j > 1:
             sched.advance_decodes(batch, ends[1:j])
-            for step_s in np.diff(ends[:j]).tolist():  # summed as iteration by iteration
-                self.busy_s += step_s
+            busy = self.busy_s
+            for step_s in (ends[1:j] - ends[: j - 1]).tolist():  # summed as step by step
+                busy += step_s
+            self.busy_s = busy
             batch.plan = run.plan(j)
         start = float(ends[j - 1])
         if not cut:

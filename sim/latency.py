@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -447,6 +447,14 @@ class Plan:
     experts_s: np.ndarray  # (num_layers, num_experts); 0 where the expert got no token
     lm_head_s: float
     expert_tokens: np.ndarray  # (num_layers, num_experts) token counts, for traces and tests
+    kv_tokens: int | None = None  # a decode batch's longest context (None: not a decode's)
+    # the iteration's time, computed once on creation (every plan's is read; a cached_property
+    # costs more to read than this to compute)
+    total_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        layers = self.experts_s.shape[0] * (self.attention_s + self.router_s)
+        self.total_s = self.overhead_s + (layers + float(self.experts_s.sum())) + self.lm_head_s
 
     @property
     def num_layers(self) -> int:
@@ -459,11 +467,6 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return 2 + self.num_layers * self.stages_per_layer
-
-    @cached_property
-    def total_s(self) -> float:
-        layers = self.num_layers * (self.attention_s + self.router_s) + float(self.experts_s.sum())
-        return self.overhead_s + layers + self.lm_head_s
 
     @cached_property
     def durations(self) -> np.ndarray:
@@ -678,7 +681,8 @@ class LatencyModel:
         return max(self.wake.left_ms(idle_ms, busy_s * 1e3)
                    - self.wake.left_ms(idle_ms, (busy_s + run_s) * 1e3), 0.0) / 1e3  # fmt: skip
 
-    def attention_s(self, batch: Batch, bind: bool = False) -> float:
+    def attention_s(self, batch: Batch, bind: bool = False, kv: int | None = None) -> float:
+        """``kv``: a decode batch's longest context, when the caller knows it."""
         decode = (
             self.attn_decode if not bind or self.attn_decode_bind is None else self.attn_decode_bind
         )
@@ -696,8 +700,7 @@ class LatencyModel:
                 t += decode(len(dec), max(s.context_tokens for s in dec))
             return t
         # decode attention runs on the batch's caches right-padded to the longest context
-        kv = max(s.context_tokens for s in batch.sequences)
-        return decode(batch.size, kv)
+        return decode(batch.size, decode_kv(batch) if kv is None else kv)
 
     def prefill_attention_split(self, batch: Batch) -> float:
         """A per-prompt prefill of several prompts as the runner runs it: the first prompt's
@@ -758,13 +761,15 @@ class LatencyModel:
             counts, experts = self.prefill_experts(batch)
         else:
             counts, experts = self.experts(tokens)
+        kv = decode_kv(batch) if batch.phase is Phase.DECODE else None
         return Plan(
             overhead_s=self.overhead.scalar(batch.size) + batch.swap_tokens * self.swap_s_per_token,
-            attention_s=self.attention_s(batch, bind),
+            attention_s=self.attention_s(batch, bind, kv),
             router_s=self.router.scalar(tokens),
             experts_s=experts,
             lm_head_s=self.lm_head.scalar(batch.size),
             expert_tokens=counts,
+            kv_tokens=kv,
         )
 
     def decode_run(self, batch: Batch, n: int) -> DecodeRun | None:
@@ -774,7 +779,9 @@ class LatencyModel:
         leave the attention grid (where ``plan`` would note an extrapolation); None when that
         leaves one iteration, or the batch's routing is not pooled."""
         size = batch.size
-        kv = max(s.context_tokens for s in batch.sequences)
+        kv = batch.plan.kv_tokens
+        if kv is None:
+            kv = decode_kv(batch)
         n = min(n, self._decode_grid_kv - kv + 1)
         if n < 2 or not self.routing.pooled(size) or size not in self._pools:
             return None
@@ -804,6 +811,11 @@ class LatencyModel:
             keys = np.arange(b * block, min((b + 1) * block, self._decode_grid_kv + 1))
             rows = self._attention_blocks[(size, b)] = self.attn_decode.within(size, keys)
         return rows
+
+
+def decode_kv(batch: Batch) -> int:
+    """The longest context of a decode batch: ``Sequence.context_tokens``, the phase known."""
+    return max([q.request.prompt_tokens + q.generated for q in batch.sequences]) - 1
 
 
 class DecodeRun:
