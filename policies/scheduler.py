@@ -585,7 +585,11 @@ class Scheduler:
 
     def take_ready(self, cls: str, max_seqs: int) -> list[Sequence]:
         queue = self.ready[cls]
-        return [queue.popleft() for _ in range(min(max_seqs, len(queue)))]
+        if max_seqs >= len(queue):  # all of them (the usual case): one copy, not a pop each
+            taken = list(queue)
+            queue.clear()
+            return taken
+        return [queue.popleft() for _ in range(max_seqs)]
 
     # ------------------------------------------------------------------------------ internals
     def _take_running(self) -> Batch:
