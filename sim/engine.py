@@ -325,10 +325,11 @@ class Simulation:
             for step_s in (ends[1:j] - ends[: j - 1]).tolist():  # summed as step by step
                 busy += step_s
             self.busy_s = busy
-            batch.plan = run.plan(j)
         start = float(ends[j - 1])
-        if not cut:
+        if not cut:  # the caller completes the last iteration, which needs no plan of its own
             return start, False
+        if j > 1:  # the iteration in progress runs on by its plan
+            batch.plan = run.plan(j)
         if sched.preemptible and sched.should_preempt():
             preempted = yield from self._to_boundary(batch, env.now - start)
         else:

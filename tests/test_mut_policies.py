@@ -5,7 +5,10 @@ tests let survive (README, "Mutation testing")."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+import random
 
 import pytest
 from conftest import ids, step
@@ -135,6 +138,34 @@ def test_waiting_fifo_merges_the_classes_by_arrival_then_id():
         s.arrive(req(i, cls, t=t), t)
     assert [q.id for q in s.waiting_fifo()] == [0, 1, 2, 3]  # a tie goes to the lower id
     assert [q.id for q in s.waiting_fifo(["BE"])] == [0, 3]
+
+
+def test_waiting_fifo_of_both_classes_is_heapq_merge_on_random_queues():
+    """The two-queue merge on the hot path yields what heapq.merge yields, ties (equal
+    arrival times) included, read whole or in part."""
+    rng = random.Random(7)
+    for trial in range(200):
+        s = Scheduler(QLLM(), kv_capacity_tokens=10**9)
+        t = 0.0
+        for i in range(rng.randint(1, 30)):
+            t += rng.choice((0.0, 0.0, 0.5, 1.0))  # many equal arrival times
+            s.arrive(req(i, rng.choice(("LS", "BE")), t=t), t)
+        want = [q.id for q in heapq.merge(s.waiting["LS"], s.waiting["BE"],
+                                          key=lambda q: (q.request.arrival_s, q.id))]  # fmt: skip
+        assert [q.id for q in s.waiting_fifo()] == want, trial
+        k = rng.randint(0, len(want))
+        assert [q.id for q in itertools.islice(s.waiting_fifo(), k)] == want[:k]
+
+
+def test_take_ready_takes_from_the_front_all_or_some():
+    s = Scheduler(QLLM(), kv_capacity_tokens=1000)
+    for i in range(5):
+        s.arrive(req(i), 0)
+        s.ready["BE"].append(s.waiting["BE"].pop())
+    assert ids_of(s.take_ready("BE", 2)) == [0, 1] and ids_of(s.ready["BE"]) == [2, 3, 4]
+    assert ids_of(s.take_ready("BE", 3)) == [2, 3, 4] and not s.ready["BE"]
+    s.ready["BE"].extend(s.waiting["BE"])
+    assert s.take_ready("BE", 0) == [] and s.take_ready("LS", 4) == []
 
 
 def test_take_prefill_dry_run_and_reservation_cap():
