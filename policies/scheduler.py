@@ -352,7 +352,7 @@ class Scheduler:
         runs = self.policy.decode_run(self, batch)  # first: often 1, and the cheaper
         if runs <= 1:
             return 1
-        left = min(q.request.output_tokens - q.generated for q in batch.sequences)
+        left = min([q.request.output_tokens - q.generated for q in batch.sequences])
         if left <= 1:
             return 1
         n = int(min(left, runs))
