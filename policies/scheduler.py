@@ -283,42 +283,28 @@ class Scheduler:
         batch.plan = None
         finished = []
         ready = self.ready
-        if batch.phase is Phase.DECODE:  # each has a token (no chunk, not evicted): the loop
-            for seq in batch.sequences:  # below less what it does not need, once per token
-                seq.generated = generated = seq.generated + 1
-                last = seq.last_token_s
-                if last is not None:
-                    seq.token_gaps_s.append(now - last)
-                seq.last_token_s = now
-                request = seq.request
-                if generated >= request.output_tokens:
-                    seq.finish_s = now
-                    self.memory.free(seq)
-                    finished.append(seq)
-                    self._in_system -= 1
-                else:
-                    ready[request.cls].append(seq)
-            self.iterations += 1
-            self.policy.on_complete(self, batch, now)
-            return finished
-        for seq in batch.sequences:  # once per token of every request: no property lookups
-            if seq.chunk_tokens:  # a prefill chunk: a token only once the prefill is whole
-                seq.prefilled_tokens += seq.chunk_tokens
-                seq.chunk_tokens = 0
-                if seq.prefill_left_tokens:
-                    self.prefilling.append(seq)
-                    continue
-            seq.prefilled_tokens = 0
-            seq.generated += 1
+        # a decode batch's sequences each have a token (no chunk, not evicted): the loop skips
+        # what only a prefill needs (it runs once per token of every request)
+        prefill = batch.phase is not Phase.DECODE
+        for seq in batch.sequences:
+            if prefill:
+                if seq.chunk_tokens:  # a prefill chunk: a token only once the prefill is whole
+                    seq.prefilled_tokens += seq.chunk_tokens
+                    seq.chunk_tokens = 0
+                    if seq.prefill_left_tokens:
+                        self.prefilling.append(seq)
+                        continue
+                seq.prefilled_tokens = 0
+                seq.evicted = False
+                if seq.first_token_s is None:
+                    seq.first_token_s = now
+            seq.generated = generated = seq.generated + 1
             last = seq.last_token_s  # seq.record_token(now), inlined
             if last is not None:
                 seq.token_gaps_s.append(now - last)
             seq.last_token_s = now
-            seq.evicted = False
-            if seq.first_token_s is None:
-                seq.first_token_s = now
             request = seq.request
-            if seq.generated >= request.output_tokens:  # seq.done
+            if generated >= request.output_tokens:  # seq.done
                 seq.finish_s = now
                 self.memory.free(seq)
                 finished.append(seq)
