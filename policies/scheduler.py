@@ -591,28 +591,21 @@ _ARRIVAL = operator.attrgetter("request.arrival_s", "request.id")
 
 
 def _merge2(a: deque[Sequence], b: deque[Sequence]) -> Iterator[Sequence]:
-    """``heapq.merge(a, b, key=_ARRIVAL)`` of two non-empty queues in arrival order, with less
-    to set up (callers mostly read a few from the front). A tie goes to ``a``, as there."""
+    """``heapq.merge(a, b, key=_ARRIVAL)`` of two non-empty queues in arrival order (their keys,
+    which hold the ids, are unique), with less to set up: callers mostly read a few."""
     ia, ib = iter(a), iter(b)
     x, y = next(ia), next(ib)
     kx, ky = _ARRIVAL(x), _ARRIVAL(y)
     while True:
-        if ky < kx:
+        if ky < kx:  # x is always the head to yield next
+            x, y, kx, ky, ia, ib = y, x, ky, kx, ib, ia
+        yield x
+        x = next(ia, None)
+        if x is None:
             yield y
-            y = next(ib, None)
-            if y is None:
-                yield x
-                yield from ia
-                return
-            ky = _ARRIVAL(y)
-        else:
-            yield x
-            x = next(ia, None)
-            if x is None:
-                yield y
-                yield from ib
-                return
-            kx = _ARRIVAL(x)
+            yield from ib
+            return
+        kx = _ARRIVAL(x)
 
 
 def _run_tokens(batch: Batch) -> np.ndarray:
