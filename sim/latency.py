@@ -448,8 +448,8 @@ class Plan:
     lm_head_s: float
     expert_tokens: np.ndarray  # (num_layers, num_experts) token counts, for traces and tests
     kv_tokens: int | None = None  # a decode batch's longest context (None: not a decode's)
-    # the iteration's time, computed once on creation (every plan's is read; a cached_property
-    # costs more to read than this to compute)
+    # the iteration's time, computed on creation (every plan's is read, and a cached_property's
+    # first read, which takes a lock under Python 3.11, costs more than this sum)
     total_s: float = field(init=False)
 
     def __post_init__(self) -> None:
