@@ -30,10 +30,10 @@ in order, until running ones finish.
 from __future__ import annotations
 
 import math
-import operator
 
 from policies.core import Batch, Granularity, Phase
 from policies.scheduler import (
+    ARRIVAL_ORDER,
     CapacityError,
     Policy,
     Scheduler,
@@ -72,7 +72,7 @@ class IterationFCFS(Policy):
                 return joined
         self.decode_next = False
         seqs = s.take_ready("LS", len(running)) + s.take_ready("BE", len(running))
-        seqs.sort(key=AGE)
+        seqs.sort(key=ARRIVAL_ORDER)
         return decode_batch(seqs)
 
     def _join(self, s: Scheduler, running: list) -> Batch | None:
@@ -134,6 +134,3 @@ class IterationFCFS(Policy):
 
     def on_decodes(self, s: Scheduler, batch: Batch, ends_s) -> None:
         self.waiting_tokens += len(ends_s)
-
-
-AGE = operator.attrgetter("request.arrival_s", "request.id")  # (arrival, id): oldest first

@@ -432,7 +432,7 @@ class Scheduler:
             return iter(queues[0])
         if len(queues) == 2:  # LS and BE: asked several times per iteration
             return _merge2(*queues)
-        return heapq.merge(*queues, key=_ARRIVAL)
+        return heapq.merge(*queues, key=ARRIVAL_ORDER)
 
     @property
     def kv_used_tokens(self) -> int:
@@ -587,15 +587,16 @@ class Scheduler:
         return batch
 
 
-_ARRIVAL = operator.attrgetter("request.arrival_s", "request.id")
+# (arrival, id): the order of the waiting queues, oldest first (ids break ties)
+ARRIVAL_ORDER = operator.attrgetter("request.arrival_s", "request.id")
 
 
 def _merge2(a: deque[Sequence], b: deque[Sequence]) -> Iterator[Sequence]:
-    """``heapq.merge(a, b, key=_ARRIVAL)`` of two non-empty queues in arrival order (their keys,
-    which hold the ids, are unique), with less to set up: callers mostly read a few."""
+    """``heapq.merge(a, b, key=ARRIVAL_ORDER)`` of two non-empty queues in arrival order (the
+    keys, which hold the ids, are unique), with less to set up: callers mostly read a few."""
     ia, ib = iter(a), iter(b)
     x, y = next(ia), next(ib)
-    kx, ky = _ARRIVAL(x), _ARRIVAL(y)
+    kx, ky = ARRIVAL_ORDER(x), ARRIVAL_ORDER(y)
     while True:
         if ky < kx:  # x is always the head to yield next
             x, y, kx, ky, ia, ib = y, x, ky, kx, ib, ia
@@ -605,7 +606,7 @@ def _merge2(a: deque[Sequence], b: deque[Sequence]) -> Iterator[Sequence]:
             yield y
             yield from ib
             return
-        kx = _ARRIVAL(x)
+        kx = ARRIVAL_ORDER(x)
 
 
 def _run_tokens(batch: Batch) -> np.ndarray:
