@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from sim import profiles
+from sim import profiles, provenance
 from sim.cli import CONF_DIR, FINISHED, App, discard_unfinished, fail, lock, run
 from sim.config import SimConfig, UserError, validate
 from sim.metrics import write_outputs
@@ -81,9 +81,9 @@ def main(cfg: DictConfig) -> float | None:
         discard_unfinished(run_dir)
         fail(PROG, str(e))
     cfg.profile.name = profile.name  # a run is labelled with the profile it used
-    config = job_config(cfg)
+    config, inputs = job_config(cfg), provenance.inputs(cfg)
     if hc.mode != RunMode.MULTIRUN:  # a single run's directory was claimed by cli()
-        return run_job(cfg, run_dir, config)
+        return run_job(cfg, run_dir, config, inputs)
     fd = lock(run_dir)
     if fd is None:
         print(f"skipping {run_dir}: another process is running it", flush=True)
@@ -92,19 +92,31 @@ def main(cfg: DictConfig) -> float | None:
         finished = run_dir / FINISHED
         if finished.is_file():
             summary = json.loads(finished.read_text())
-            if cfg.resume and summary.get("config") == config:
+            # a finished run is today's only if made by the same config from the same code,
+            # profile and workload file
+            same = summary.get("config") == config
+            if cfg.resume and same and summary.get("inputs") == inputs:
                 print(f"skipping finished run {run_dir}", flush=True)
                 return summary["classes"]["LS"]["ttft_s"]["mean"]
             if cfg.resume:
-                print(f"rerunning {run_dir}: its config differs from the finished run's",
-                      flush=True)  # fmt: skip
+                why = ("its config differs from the finished run's" if not same
+                       else rerun_reason(summary.get("inputs"), inputs))  # fmt: skip
+                print(f"rerunning {run_dir}: {why}", flush=True)
             os.unlink(finished)  # the directory holds no finished run until this one finishes
-        return run_job(cfg, run_dir, config)
+        return run_job(cfg, run_dir, config, inputs)
     finally:
         os.close(fd)
 
 
-def run_job(cfg: DictConfig, run_dir: Path, config: dict) -> float | None:
+def rerun_reason(before: dict | None, now: dict) -> str:
+    """Which of a finished run's inputs differ from today's, in words."""
+    what = {"code": "the simulator's code", "profile": "the profile's files",
+            "workload": "the workload file"}  # fmt: skip
+    changed = provenance.changed(before, now)
+    return " and ".join(what.get(k, k) for k in changed) + " changed since it finished"
+
+
+def run_job(cfg: DictConfig, run_dir: Path, config: dict, inputs: dict) -> float | None:
     hc = HydraConfig.get()
     if hc.output_subdir is not None:  # Hydra's copy, now with the profile's own name
         OmegaConf.save(cfg, run_dir / hc.output_subdir / "config.yaml")
@@ -113,9 +125,9 @@ def run_job(cfg: DictConfig, run_dir: Path, config: dict) -> float | None:
     except UserError as e:
         discard_unfinished(run_dir)
         fail(PROG, str(e))
-    # summary.json is the run's record: its results and the config that produced them, written
-    # in one atomic step, so the two can never disagree
-    write_outputs(run_dir, out.requests, {**out.summary, "config": config},
+    # summary.json is the run's record: its results, the config that produced them and the
+    # digests of what they were made from, written in one atomic step, so they never disagree
+    write_outputs(run_dir, out.requests, {**out.summary, "config": config, "inputs": inputs},
                   {"replicas": out.timeline})  # fmt: skip
     ls, be = out.summary["classes"]["LS"], out.summary["classes"]["BE"]
     jobs_per_s = out.summary["throughput"]["jobs_per_s"]

@@ -13,7 +13,10 @@ that a cluster that sustains a rate sustains every lower one. All searches advan
 the runs of one step (every search's next rate x seeds) go to a pool of processes (``--jobs``),
 or to Ray workers (``--executor ray``; ``RAY_ADDRESS`` picks a cluster, else a local one).
 Evaluations are appended to ``evaluations.csv`` in the output directory as they finish, so an
-interrupted search rerun with the same ``--out`` resumes where it stopped.
+interrupted search rerun with the same ``--out`` resumes where it stopped. Each row carries a
+digest of the resolved config and of what the run was made from (the simulator's code, the
+profile's files, the workload file: ``sim.provenance``); a run is reused only when it equals
+today's, so a resumed search never mixes in runs of other code or inputs.
 
 Example::
 
@@ -36,7 +39,7 @@ from pathlib import Path
 from sim.config import UserError
 
 FIELDS = ["policy", "router", "replicas", "rate", "seed", "num_requests", "setup",
-          "ls_ttft_p99_s", "goodput", "keeps_up", "jobs_per_s", "ok"]  # fmt: skip
+          "ls_ttft_p99_s", "goodput", "keeps_up", "jobs_per_s", "ok", "inputs"]  # fmt: skip
 
 
 @dataclass
@@ -136,25 +139,43 @@ def num_requests(rate: float, horizon_s: float, min_requests: int) -> int:
 
 
 class Evaluations:
-    """evaluations.csv: every finished run, appended as it finishes (resume = reuse)."""
+    """evaluations.csv: every finished run, appended as it finishes (resume = reuse). A file
+    of another layout (an older qllm-plan's) is set aside as evaluations.csv.old: its runs
+    carry no inputs digest, so none of them can be known to be today's."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.rows: dict[tuple, dict] = {}
+        self.set_aside: Path | None = None
         if path.is_file():
             with path.open() as f:
-                for row in csv.DictReader(f):
-                    self.rows[self.key(row)] = row
+                reader = csv.DictReader(f)
+                rows = list(reader)
+                layout = reader.fieldnames
+            if layout != FIELDS:
+                self.set_aside = path.with_name(path.name + ".old")
+                path.replace(self.set_aside)
+                rows = []
+            for row in rows:
+                self.rows[self.key(row)] = row
 
     @staticmethod
     def key(row) -> tuple:
         return (row["policy"], row["router"], int(row["replicas"]), f"{float(row['rate']):.9g}",
-                int(row["seed"]), int(row["num_requests"]), row["setup"])  # fmt: skip
+                int(row["seed"]), int(row["num_requests"]), row["setup"],
+                row["inputs"])  # fmt: skip
 
-    def get(self, task: tuple) -> dict | None:
+    def get(self, task: tuple, inputs: str) -> dict | None:
+        """The finished run of ``task`` made from these inputs (a fingerprint), if any."""
         policy, router, replicas, rate, seed, n, overrides = task
         return self.rows.get((policy, router, replicas, f"{rate:.9g}", seed, n,
-                              " ".join(overrides)))  # fmt: skip
+                              " ".join(overrides), inputs))  # fmt: skip
+
+    def others(self, fingerprints: dict[str, str]) -> int:
+        """How many runs of these policies were made from other config, code or inputs than
+        their ``fingerprints`` (policy -> fingerprint) say."""
+        return sum(row["policy"] in fingerprints and row["inputs"] != fingerprints[row["policy"]]
+                   for row in self.rows.values())  # fmt: skip
 
     def add(self, row: dict) -> None:
         new = not self.path.is_file()
@@ -174,7 +195,9 @@ def _float(x) -> float | None:
 
 def run_searches(searches: list[Search], targets: Targets, seeds: list[int], horizon_s: float,
                  min_requests: int, overrides: list[str], cache: Evaluations, pool,
-                 progress=None) -> None:  # fmt: skip
+                 fingerprints: dict[str, str], progress=None) -> None:  # fmt: skip
+    """Advance every search to its end; ``fingerprints``: each policy's (``fingerprints``),
+    with which runs are stored and looked up."""
     while True:
         active = [s for s in searches if not s.done]
         if not active:
@@ -185,12 +208,13 @@ def run_searches(searches: list[Search], targets: Targets, seeds: list[int], hor
             n = num_requests(rate, horizon_s, min_requests)
             tasks[id(s)] = [(s.policy, s.router, s.replicas, rate, seed, n, tuple(overrides))
                             for seed in seeds]  # fmt: skip
-        todo = [t for ts in tasks.values() for t in ts if cache.get(t) is None]
+        todo = [t for ts in tasks.values() for t in ts if cache.get(t, fingerprints[t[0]]) is None]
         for row in pool(evaluate, todo):
             row["ok"] = targets.met(row)
+            row["inputs"] = fingerprints[row["policy"]]
             cache.add(row)
         for s in active:
-            rows = [cache.get(t) for t in tasks[id(s)]]
+            rows = [cache.get(t, fingerprints[s.policy]) for t in tasks[id(s)]]
             ok = all(targets.met(r) for r in rows)
             s.record(tasks[id(s)][0][3], ok)
         if progress:
@@ -244,23 +268,31 @@ def frontier_figure(rows: list[dict], path: Path, target_rate: float | None) -> 
     return path
 
 
-def check_overrides(overrides: list[str]) -> None:
-    """Compose and validate the base config once, so a bad override fails here in one line."""
+def fingerprints(overrides: list[str], policies: list[str]) -> dict[str, str]:
+    """Compose and validate each policy's config once, so that a bad override fails here in
+    one line; returns each policy's fingerprint: its resolved config (at the defaults of what
+    the search varies) and the digests of the code, profile and workload file it reads."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from sim.app import CONF_DIR
+    from sim import provenance
+    from sim.app import CONF_DIR, job_config
     from sim.config import validate
 
     GlobalHydra.instance().clear()
+    out = {}
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            validate(compose("config", overrides=list(overrides)))
+            for policy in policies:
+                cfg = compose("config", overrides=[*overrides, f"policy={policy}"])
+                validate(cfg)
+                out[policy] = provenance.fingerprint(job_config(cfg), provenance.inputs(cfg))
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001  (Hydra's many error types: one line each)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{' '.join(overrides)}: {first}") from None
+    return out
 
 
 def main(argv=None) -> int:
@@ -303,13 +335,20 @@ def main(argv=None) -> int:
         print(f"qllm-plan: error: {problems[0]}", file=sys.stderr)
         return 2
     try:
-        check_overrides(args.overrides)
+        fps = fingerprints(args.overrides, args.policies)
     except UserError as e:
         print(f"qllm-plan: error: {e}", file=sys.stderr)
         return 2
     out = args.out or Path("results/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True, exist_ok=True)
     cache = Evaluations(out / "evaluations.csv")
+    if cache.set_aside is not None:
+        print(f"qllm-plan: {out}/evaluations.csv is of an older layout (no inputs digest): set "
+              f"aside as {cache.set_aside.name}, its runs not reused", file=sys.stderr)  # fmt: skip
+    others = cache.others(fps)
+    if others:
+        print(f"qllm-plan: {others} runs in {out}/evaluations.csv were made from another "
+              "config, code, profile or workload file: not reused", file=sys.stderr)  # fmt: skip
     targets = Targets(args.ls_ttft_p99_s, args.goodput, args.keeps_up)
     searches = [Search(p, r, n, args.rate_lo * n, args.rel_tol)
                 for p in args.policies for r in args.routers for n in sorted(args.replicas)
@@ -326,7 +365,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     try:
         run_searches(searches, targets, args.seeds, args.horizon_s, args.min_requests,
-                     args.overrides, cache, pool, progress)  # fmt: skip
+                     args.overrides, cache, pool, fps, progress)  # fmt: skip
     except UserError as e:
         bar.close()
         print(f"qllm-plan: error: {e}", file=sys.stderr)

@@ -48,7 +48,8 @@ def test_run_writes_outputs_with_the_documented_schema(tmp_path):
     assert len(df) == 60 and df["finish_s"].notna().all()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary) == {"classes", "throughput", "makespan_s", "arrived", "completed",
-                            "executor", "cluster", "config"}  # fmt: skip
+                            "executor", "cluster", "config", "inputs"}  # fmt: skip
+    assert set(summary["inputs"]) == {"code", "profile", "workload"}
     assert set(summary["classes"]) == {"LS", "BE", "all"}
     latencies = {"ttft_s", "tpot_s", "itl_s", "turnaround_s"}
     for part in summary["classes"].values():
@@ -206,6 +207,62 @@ def test_a_sweep_skips_only_runs_finished_with_the_same_config(tmp_path):
     assert f"rerunning {qllm}" in r.stdout
     fresh = json.loads((qllm / "summary.json").read_text())
     assert fresh["config"]["policy"]["max_batch_size"] == 32
+
+
+def test_a_sweep_reruns_a_finished_run_whose_profile_or_trace_file_changed(tmp_path):
+    """Same config, other inputs: a re-measured profile (same path) or an edited trace file
+    makes a finished run stale; the sweep reruns it and says which input changed."""
+    from conftest import linear_profile
+
+    profile_dir, trace = tmp_path / "profile", tmp_path / "trace.csv"
+    linear_profile().save(profile_dir)
+    rows = [f"{0.05 * i:.2f},{32 + i},{8 + i % 5}" for i in range(30)]
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" + "\n".join(rows) + "\n")
+    sweep = tmp_path / "sweep"
+    args = ("-m", "policy=fcfs", f"profile.path={profile_dir}", "workload=trace",
+            f"workload.path={trace}", "workload.num_requests=30", f"hydra.sweep.dir={sweep}",
+            "hydra.sweep.subdir=run")  # fmt: skip
+    assert qllm_sim(*args, cwd=tmp_path).returncode == 0
+    run = sweep / "run"
+    first = json.loads((run / "summary.json").read_text())
+    r = qllm_sim(*args, cwd=tmp_path)
+    assert f"skipping finished run {run}" in r.stdout, r.stdout + r.stderr
+
+    linear_profile(expert_ms=0.9).save(profile_dir)  # re-measured, slower experts
+    r = qllm_sim(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"rerunning {run}: the profile's files changed since it finished" in r.stdout
+    second = json.loads((run / "summary.json").read_text())
+    assert second["config"] == first["config"]
+    assert second["inputs"]["profile"] != first["inputs"]["profile"]
+    assert second["makespan_s"] > first["makespan_s"]  # the new profile's numbers, not the old
+
+    trace.write_text(trace.read_text().replace(",32,", ",400,"))  # a longer first prompt
+    r = qllm_sim(*args, cwd=tmp_path)
+    assert f"rerunning {run}: the workload file changed since it finished" in r.stdout
+    third = json.loads((run / "summary.json").read_text())
+    assert third["inputs"]["workload"] != second["inputs"]["workload"]
+    assert third["inputs"]["code"] == first["inputs"]["code"]
+
+
+def test_the_code_digest_changes_with_any_simulator_source(tmp_path, monkeypatch):
+    import shutil
+
+    from sim import provenance
+
+    for pkg in provenance.CODE_PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(provenance, "ROOT", tmp_path)
+    provenance.code_digest.cache_clear()
+    try:
+        before = provenance.code_digest()
+        assert before == provenance.code_digest()
+        with (tmp_path / "policies" / "scheduler.py").open("a") as f:
+            f.write("\n# an edit\n")
+        provenance.code_digest.cache_clear()
+        assert provenance.code_digest() != before
+    finally:
+        provenance.code_digest.cache_clear()
 
 
 # ------------------------------------------------------------------ profile label (issue 8.3)

@@ -154,6 +154,50 @@ def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monke
     assert len(list(csv.DictReader((tmp_path / "evaluations.csv").open()))) == runs
 
 
+def test_a_resumed_plan_reuses_no_run_of_another_profile_or_layout(tmp_path, capsys):
+    """The same command over the same --out after the profile was re-measured in place: every
+    run is made again (none of the old profile's is mixed in), and the search says so; an
+    evaluations.csv without the inputs column is set aside, not read."""
+    from conftest import linear_profile
+
+    import sim.plan as plan
+
+    profile_dir, out = tmp_path / "profile", tmp_path / "plan"
+    linear_profile().save(profile_dir)
+    args = ["--replicas", "1", "--policies", "fcfs", "--rate-lo", "2", "--rel-tol", "0.5",
+            "--horizon-s", "10", "--min-requests", "20", "--jobs", "1", "--goodput", "0.5",
+            "--keeps-up", "0.5", "--out", str(out), f"profile.path={profile_dir}",
+            "workload=synthetic", "workload.output.tokens=8",
+            "workload.prompt.tokens=32"]  # fmt: skip
+
+    def rows():
+        return list(csv.DictReader((out / "evaluations.csv").open()))
+
+    assert plan.main(args) == 0
+    first = rows()
+    assert plan.main(args) == 0
+    assert rows() == first  # same inputs: all reused
+    capsys.readouterr()
+    linear_profile(expert_ms=3.0).save(profile_dir)
+    assert plan.main(args) == 0
+    assert f"{len(first)} runs in {out}/evaluations.csv were made from another" in (
+        capsys.readouterr().err
+    )
+    again = rows()[len(first) :]
+    assert {r["inputs"] for r in again}.isdisjoint({r["inputs"] for r in first})
+    assert len(again) >= 1 and float(again[0]["jobs_per_s"]) > 0
+
+    old_layout = [f for f in plan.FIELDS if f != "inputs"]
+    with (out / "evaluations.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old_layout)
+        w.writeheader()
+        w.writerow({k: first[0][k] for k in old_layout})
+    assert plan.main(args) == 0
+    assert "older layout" in capsys.readouterr().err
+    assert (out / "evaluations.csv.old").is_file()
+    assert list(csv.DictReader((out / "evaluations.csv").open()))[0]["inputs"] == again[0]["inputs"]
+
+
 def test_a_rate_whose_backlog_grows_is_not_sustained_even_when_every_slo_is_met():
     from sim.plan import Targets
 

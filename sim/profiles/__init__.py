@@ -19,24 +19,31 @@ def available() -> list[str]:
     return sorted(names)
 
 
+def directory(name: str, path: str | None = None) -> Path:
+    """The directory of a profile by directory (``path``) or by name: built-in first, then
+    results/profiles/."""
+    if path:
+        found = Path(path).expanduser()
+        if not found.is_dir():
+            raise UserError(f"profile.path={path}: not a directory")
+        return found
+    found = BUILTIN_DIR / name
+    if not (found / "profile.json").is_file():
+        found = MEASURED_DIR / name
+    if not (found / "profile.json").is_file():
+        raise UserError(f"profile.name={name}: unknown profile; available: {available()}")
+    return found
+
+
 def load(name: str, path: str | None = None) -> Profile:
     """A profile by directory (``path``) or by name: built-in first, then results/profiles/."""
-    if path:
-        directory = Path(path).expanduser()
-        if not directory.is_dir():
-            raise UserError(f"profile.path={path}: not a directory")
-    else:
-        directory = BUILTIN_DIR / name
-        if not (directory / "profile.json").is_file():
-            directory = MEASURED_DIR / name
-        if not (directory / "profile.json").is_file():
-            raise UserError(f"profile.name={name}: unknown profile; available: {available()}")
+    folder = directory(name, path)
     try:
-        profile = Profile.load(directory)
+        profile = Profile.load(folder)
     except ProfileError as e:
         raise UserError(str(e)) from None
     spread = profile.spread()
-    if spread is not None and spread.noisy and directory.resolve() not in _warned:
-        _warned.add(directory.resolve())
+    if spread is not None and spread.noisy and folder.resolve() not in _warned:
+        _warned.add(folder.resolve())
         print(spread.warning(profile.name), file=sys.stderr)
     return profile

@@ -1,0 +1,82 @@
+"""What a simulated result was made from beyond its resolved config: the simulator's code, the
+profile's files and the workload's file, as digests of their bytes. A sweep (``qllm-sim -m``)
+and a capacity search (``qllm-plan``) reuse a finished run only when its config and these
+digests equal today's, so that a run of edited code, a re-measured profile or a changed trace is
+never passed off as a current one."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from sim import profiles
+
+ROOT = Path(__file__).resolve().parent.parent
+# the packages whose code a simulated result depends on (realrun and the notebooks do not count)
+CODE_PACKAGES = ("sim", "policies", "profiler")
+_files: dict[tuple, str] = {}  # (resolved path, size, mtime ns) -> digest, for this process
+
+
+def _digest(h) -> str:
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def code_digest() -> str:
+    """The simulator's Python sources (paths and bytes), read once per process."""
+    h = hashlib.sha256()
+    for pkg in CODE_PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            h.update(str(path.relative_to(ROOT)).encode() + b"\0")
+            h.update(path.read_bytes() + b"\0")
+    return _digest(h)
+
+
+def file_digest(path: Path) -> str:
+    """A file's bytes (recomputed only when its size or modification time changes)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    digest = _files.get(key)
+    if digest is None:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        digest = _files[key] = _digest(h)
+    return digest
+
+
+def dir_digest(path: Path) -> str:
+    """A directory's files: their relative paths and bytes."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        h.update(str(f.relative_to(path)).encode() + b"\0" + file_digest(f).encode())
+    return _digest(h)
+
+
+def inputs(cfg: Any) -> dict[str, str | None]:
+    """Digests of the code, the profile directory and the workload file (None when the
+    workload names no file: a synthetic one, or a data set from an installed package)."""
+    profile = profiles.directory(cfg.profile.name, cfg.profile.path)
+    path = getattr(cfg.workload, "path", None)
+    workload = Path(path).expanduser() if path else None
+    return {
+        "code": code_digest(),
+        "profile": dir_digest(profile),
+        "workload": file_digest(workload) if workload is not None and workload.is_file() else None,
+    }
+
+
+def changed(old: dict | None, new: dict) -> list[str]:
+    """Which of ``new``'s inputs differ from ``old``'s (every one when ``old`` has none)."""
+    old = old or {}
+    return [k for k, v in new.items() if old.get(k) != v]
+
+
+def fingerprint(config: dict, digests: dict) -> str:
+    """One digest of a resolved config (a plain dict) and its inputs."""
+    text = json.dumps({"config": config, "inputs": digests}, sort_keys=True, default=str)
+    return _digest(hashlib.sha256(text.encode()))
