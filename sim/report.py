@@ -133,6 +133,33 @@ def load_sweep(sweep_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return table, requests
 
 
+def mixed_inputs(sweep_dir: str | Path) -> list[str]:
+    """Warnings for runs that do not compare although their settings say they do: made from
+    several versions of the simulator's code, or from different files under one profile name
+    (``summary.json``'s ``inputs``; runs from before it are counted apart)."""
+    import json
+
+    code: dict[str, list[Path]] = {}
+    profile: dict[str, set] = {}
+    for run in find_runs(Path(sweep_dir)):
+        summary = json.loads((run / "summary.json").read_text())
+        inputs = summary.get("inputs") or {}
+        name = (summary.get("config") or {}).get("profile", {}).get("name")
+        code.setdefault(inputs.get("code") or "unknown", []).append(run)
+        profile.setdefault(name, set()).add(inputs.get("profile") or "unknown")
+    out = []
+    if len(code) > 1:
+        out.append(f"warning: these runs were made by {len(code)} versions of the simulator's "
+                   "code (summary.json's inputs.code): rerun the older ones before comparing "
+                   "them")  # fmt: skip
+    for name, digests in sorted(profile.items(), key=lambda kv: str(kv[0])):
+        if len(digests) > 1:
+            out.append(f"warning: profile {name}: these runs read {len(digests)} different "
+                       "sets of its files (summary.json's inputs.profile): a profile measured "
+                       "again under the same name")  # fmt: skip
+    return out
+
+
 def tidy(table: pd.DataFrame) -> pd.DataFrame:
     """Settings first, then metrics; rows sorted by policy (in POLICY_ORDER), rate, seed, class."""
     setting_cols = [c for c in CONFIG_COLUMNS if c in table] + ["cls"]
@@ -356,6 +383,8 @@ def cli(argv: list[str] | None = None) -> None:
     table.to_csv(out / "table.csv", index=False)
     paths = write_figures(table, requests, out, slo_of(table))
     print(terminal_table(table))
+    for warning in mixed_inputs(args.sweep_dir):
+        print(warning, file=sys.stderr)
     runs = table["run_dir"].nunique()
     print(f"\n{runs} runs -> {out / 'table.csv'}, " + ", ".join(p.name for p in paths))
 

@@ -121,6 +121,24 @@ def test_report_names_a_run_whose_summary_lacks_a_metric(sweep, tmp_path, capsys
                    "an older qllm-sim? rerun the run)"]  # fmt: skip
 
 
+def test_report_warns_of_runs_made_by_other_code_or_profile_files(sweep, tmp_path, capsys):
+    from sim.report import mixed_inputs
+
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep, copy)
+    assert mixed_inputs(copy) == []  # one sweep of one code and profile
+    first, second = sorted(copy.glob("*/summary.json"))[:2]
+    for path, key in ((first, "code"), (second, "profile")):
+        summary = json.loads(path.read_text())
+        summary["inputs"][key] = "0" * 16  # as a run of other code, or a re-measured profile
+        path.write_text(json.dumps(summary))
+    cli([str(copy), "--out", str(tmp_path / "report")])
+    err = capsys.readouterr().err
+    assert "made by 2 versions of the simulator's code" in err
+    name = json.loads(second.read_text())["config"]["profile"]["name"]
+    assert f"warning: profile {name}: these runs read 2 different sets of its files" in err
+
+
 @pytest.mark.parametrize("make", [lambda p: p / "missing", lambda p: p])
 def test_report_on_a_missing_or_empty_dir_is_one_line(tmp_path, capsys, make):
     with pytest.raises(SystemExit) as exit_:
