@@ -127,6 +127,30 @@ def test_cache_hit_neither_reads_nor_tokenizes_and_is_identical(cold_sharegpt, m
     assert warm.text == cold.text
 
 
+def test_a_pool_cached_by_other_workload_code_is_rebuilt(tmp_path, monkeypatch):
+    """An edit of the salvage or tokenizing code (without a FORMAT_VERSION bump) must not
+    leave the tables it cached before in use: the cache key holds the package's sources."""
+    from sim.workloads import cache
+
+    monkeypatch.setenv("QLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_sharegpt(
+        tmp_path / "s.json",
+        [conversation("What is the capital city of Italy?", "Rome is the capital of Italy.")],
+    )
+    assert len(sharegpt.load_pool(path)) == 1
+    params = {"dataset": "sharegpt", **DEFAULT_LIMITS}
+    before = cache_file(path, params)
+    assert before.is_file()
+    monkeypatch.setattr(cache, "builders_digest", lambda: "0" * 16)  # as after a code edit
+    assert cache_file(path, params) != before
+    built = []
+    real = sharegpt.read_conversations
+    monkeypatch.setattr(
+        sharegpt, "read_conversations", lambda *a, **k: built.append(1) or real(*a, **k)
+    )
+    assert len(sharegpt.load_pool(path)) == 1 and built == [1]
+
+
 def test_cache_follows_the_source_file_and_survives_corruption(tmp_path, monkeypatch):
     monkeypatch.setenv("QLLM_CACHE_DIR", str(tmp_path / "cache"))
     first = conversation("What is the capital city of France?", "Paris is the capital of France.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -43,12 +44,23 @@ def _file_id(path: Path) -> list:
     return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
 
 
+@functools.cache
+def builders_digest() -> str:
+    """The sources of this package (the code that reads, salvages and tokenizes data sets):
+    a table cached by other code is not today's, whether or not FORMAT_VERSION was bumped."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def cache_file(source: Path, params: dict) -> Path:
     """Where the pool built from ``source`` with ``params`` is cached; any change to the source
-    file, the tokenizer or the parameters gives a new key."""
+    file, the tokenizer, the parameters or the code that builds pools gives a new key."""
     key = json.dumps(
         {
             "version": FORMAT_VERSION,
+            "code": builders_digest(),
             "source": _file_id(source),
             "tokenizer": _file_id(tokenizer_file()),
             "params": params,
