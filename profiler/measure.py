@@ -788,13 +788,28 @@ def run(cfg: Any, progress: bool = True) -> tuple[Profile, Path]:
     model_cfg = cfg["model"]
     if isinstance(model_cfg, DictConfig):  # config overrides reach transformers as plain values
         model_cfg = OmegaConf.to_container(model_cfg, resolve=True)
+    out = cfg["output"]
+    if out.get("name"):  # refused before the model is built
+        check_output_name(out["name"], Path(out["dir"]))
     model, info = build_model(model_cfg, device=cfg["device"], dtype=cfg["dtype"],
                               seed=settings.seed)  # fmt: skip
-    out = cfg["output"]
     name = out.get("name") or f"{info.name}-{info.device.type}"
+    check_output_name(name, Path(out["dir"]))
     prompts = texts_to_prompts(model_cfg, cfg["routing"].get("text_file"))
     profile = profile_model(model, info, settings, name, prompts, progress)
     return profile, profile.save(Path(out["dir"]) / name)
+
+
+def check_output_name(name: str, out_dir: Path) -> None:
+    """Refuse to write a profile where ``profile=<name>`` would not read it: under the measured
+    profiles' directory, with the name of a built-in profile (which is looked up first)."""
+    from sim import profiles
+
+    if profiles.builtin(name) and out_dir.resolve() == profiles.MEASURED_DIR.resolve():
+        raise SettingsError(
+            f"output.name={name}: a built-in profile has this name, and profile={name} would "
+            "read that one; choose another output.name"
+        )
 
 
 def texts_to_prompts(model_cfg: Any, text_file: str | None) -> list[list[int]] | None:

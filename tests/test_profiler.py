@@ -251,6 +251,31 @@ def test_qllm_profile_warns_in_one_line_about_a_noisy_profile(capsys, monkeypatc
     assert len(err.splitlines()) == 1 and err.startswith("warning: profile test-linear")
 
 
+def test_a_measured_profile_under_a_built_in_name_is_refused_or_named(
+    capsys, monkeypatch, tmp_path
+):
+    """profile=<name> reads the built-in first: qllm-profile refuses to write a measured
+    profile there under a built-in's name (before building the model), and a simulation
+    that finds one there anyway says which it reads."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    built = []
+    monkeypatch.setattr(measure, "build_model", lambda *a, **k: built.append(1))
+    err = user_error(capsys, monkeypatch, "output.name=h200-mixtral-bf16")
+    assert "output.name=h200-mixtral-bf16: a built-in profile has this name" in err
+    assert built == [] and not (tmp_path / "results" / "profiles").exists()
+    # written there by hand (or by an older qllm-profile): the lookup names the shadowing
+    measured = tmp_path / profiles.MEASURED_DIR / "h200-mixtral-bf16"
+    shutil.copytree(profiles.BUILTIN_DIR / "h200-mixtral-bf16", measured)
+    monkeypatch.setattr(profiles, "_warned_shadow", set())
+    assert profiles.directory("h200-mixtral-bf16") == profiles.BUILTIN_DIR / "h200-mixtral-bf16"
+    profiles.directory("h200-mixtral-bf16")
+    (line,) = capsys.readouterr().err.splitlines()  # once
+    assert line.startswith("warning: profile.name=h200-mixtral-bf16 is the built-in profile")
+    assert "profile.path=results/profiles/h200-mixtral-bf16 reads it" in line
+
+
 def test_bad_thread_counts_are_one_line_errors(capsys, monkeypatch, tmp_path):
     for bad in ("0", "abc", "-2"):
         err = user_error(capsys, monkeypatch, f"threads={bad}", f"output.dir={tmp_path}")

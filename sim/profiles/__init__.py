@@ -11,6 +11,7 @@ from sim.config import UserError
 BUILTIN_DIR = Path(__file__).resolve().parent
 MEASURED_DIR = Path("results") / "profiles"  # where qllm-profile writes, relative to the cwd
 _warned: set[Path] = set()  # noisy profiles already reported: once per process is enough
+_warned_shadow: set[str] = set()  # names whose measured profile a built-in shadows, reported
 
 
 def available() -> list[str]:
@@ -30,9 +31,19 @@ def directory(name: str, path: str | None = None) -> Path:
     found = BUILTIN_DIR / name
     if not (found / "profile.json").is_file():
         found = MEASURED_DIR / name
+    elif (MEASURED_DIR / name / "profile.json").is_file() and name not in _warned_shadow:
+        _warned_shadow.add(name)
+        print(f"warning: profile.name={name} is the built-in profile; {MEASURED_DIR / name} "
+              f"(a measured one of the same name) is not read: profile.path="
+              f"{MEASURED_DIR / name} reads it", file=sys.stderr)  # fmt: skip
     if not (found / "profile.json").is_file():
         raise UserError(f"profile.name={name}: unknown profile; available: {available()}")
     return found
+
+
+def builtin(name: str) -> bool:
+    """Whether a built-in profile has this name (it shadows a measured one of the same)."""
+    return (BUILTIN_DIR / name / "profile.json").is_file()
 
 
 def load(name: str, path: str | None = None) -> Profile:
