@@ -1,6 +1,7 @@
 """``qllm-plan``: capacity planning. For each (policy, router, replica count), the highest arrival
-rate a cluster sustains within the SLO targets, found by bisection over the rate; and, for a
-target rate, the fewest replicas that sustain it.
+rate a cluster sustains within the SLO targets, found by bisection over the rate, with what BE
+work pays there (its TTFT p99 and turnaround); and, for a target rate, the fewest replicas that
+sustain it, with the LS and BE figures of runs at that rate on them.
 
 A rate is *sustained* when, for every seed, a run of ``max(min_requests, rate x horizon_s)``
 arrivals meets every target: LS TTFT p99 <= ``--ls-ttft-p99-s``, goodput (the fraction of
@@ -35,11 +36,15 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from sim.config import UserError
 
 FIELDS = ["policy", "router", "replicas", "rate", "seed", "num_requests", "setup",
-          "ls_ttft_p99_s", "goodput", "keeps_up", "jobs_per_s", "ok", "inputs"]  # fmt: skip
+          "ls_ttft_p99_s", "goodput", "keeps_up", "jobs_per_s", "be_ttft_p99_s",
+          "be_turnaround_mean_s", "be_turnaround_p99_s", "ok", "inputs"]  # fmt: skip
+# what the LS guarantee costs BE work, reported at each search's capacity and at the target rate
+BE_COST = ("be_ttft_p99_s", "be_turnaround_mean_s", "be_turnaround_p99_s")
 
 
 @dataclass
@@ -71,7 +76,7 @@ def evaluate(task: tuple) -> dict:
             f"workload.num_requests={n}"])  # fmt: skip
     out = simulate(cfg)
     classes = out.summary["classes"]
-    ls = classes["LS"]["ttft_s"]["p99"]
+    ls, be = classes["LS"]["ttft_s"]["p99"], classes["BE"]
     goodput = classes["all"]["goodput"]
     if goodput is None:  # a target no run can meet would report a capacity of 0 without a word
         raise UserError("--goodput: no request of this workload has an SLO (LS requests with "
@@ -85,7 +90,10 @@ def evaluate(task: tuple) -> dict:
     return {"policy": policy, "router": router, "replicas": replicas, "rate": rate,
             "seed": seed, "num_requests": n, "setup": " ".join(overrides),
             "ls_ttft_p99_s": ls, "goodput": goodput, "keeps_up": keeps_up,
-            "jobs_per_s": out.summary["throughput"]["jobs_per_s"]}  # fmt: skip
+            "jobs_per_s": out.summary["throughput"]["jobs_per_s"],
+            "be_ttft_p99_s": be["ttft_s"]["p99"],
+            "be_turnaround_mean_s": be["turnaround_s"]["mean"],
+            "be_turnaround_p99_s": be["turnaround_s"]["p99"]}  # fmt: skip
 
 
 @dataclass
@@ -193,29 +201,61 @@ def _float(x) -> float | None:
     return float(x)
 
 
-def run_searches(searches: list[Search], targets: Targets, seeds: list[int], horizon_s: float,
-                 min_requests: int, overrides: list[str], cache: Evaluations, pool,
-                 fingerprints: dict[str, str], progress=None) -> None:  # fmt: skip
-    """Advance every search to its end; ``fingerprints``: each policy's (``fingerprints``),
-    with which runs are stored and looked up."""
+@dataclass
+class Runs:
+    """The runs of one ``qllm-plan``: each point (policy, router, replicas, rate) is a run per
+    seed of ``max(min_requests, rate x horizon_s)`` arrivals, made by ``pool`` unless
+    ``cache`` holds it from the same inputs (``fingerprints``: policy -> fingerprint)."""
+
+    targets: Targets
+    seeds: list[int]
+    horizon_s: float
+    min_requests: int
+    overrides: list[str]
+    cache: Evaluations
+    pool: Any
+    fingerprints: dict[str, str]
+
+    def tasks(self, policy: str, router: str, replicas: int, rate: float) -> list[tuple]:
+        n = num_requests(rate, self.horizon_s, self.min_requests)
+        return [(policy, router, replicas, rate, seed, n, tuple(self.overrides))
+                for seed in self.seeds]  # fmt: skip
+
+    def run(self, tasks: list[tuple]) -> None:
+        """Make the runs of ``tasks`` that are not cached (in parallel, by the pool)."""
+        todo = [t for t in tasks if self.rows([t]) == [None]]
+        for row in self.pool(evaluate, todo):
+            row["ok"] = self.targets.met(row)
+            row["inputs"] = self.fingerprints[row["policy"]]
+            self.cache.add(row)
+
+    def rows(self, tasks: list[tuple]) -> list[dict | None]:
+        return [self.cache.get(t, self.fingerprints[t[0]]) for t in tasks]
+
+    def point(self, policy: str, router: str, replicas: int, rate: float) -> dict:
+        """A point's figures over its seeds (made if need be): whether every seed met the
+        targets, and each metric's mean over the seeds (None where no seed has one)."""
+        tasks = self.tasks(policy, router, replicas, rate)
+        self.run(tasks)
+        rows = self.rows(tasks)
+        out: dict = {"ok": all(self.targets.met(r) for r in rows)}
+        for key in ("ls_ttft_p99_s", "goodput", "keeps_up", *BE_COST):
+            values = [v for v in (_float(r[key]) for r in rows) if v is not None]
+            out[key] = sum(values) / len(values) if values else None
+        return out
+
+
+def run_searches(searches: list[Search], runs: Runs, progress=None) -> None:
+    """Advance every search to its end, the runs of a step (every search's next rate x
+    seeds) together."""
     while True:
         active = [s for s in searches if not s.done]
         if not active:
             return
-        tasks = {}
+        tasks = {id(s): runs.tasks(s.policy, s.router, s.replicas, s.next_rate()) for s in active}
+        runs.run([t for ts in tasks.values() for t in ts])
         for s in active:
-            rate = s.next_rate()
-            n = num_requests(rate, horizon_s, min_requests)
-            tasks[id(s)] = [(s.policy, s.router, s.replicas, rate, seed, n, tuple(overrides))
-                            for seed in seeds]  # fmt: skip
-        todo = [t for ts in tasks.values() for t in ts if cache.get(t, fingerprints[t[0]]) is None]
-        for row in pool(evaluate, todo):
-            row["ok"] = targets.met(row)
-            row["inputs"] = fingerprints[row["policy"]]
-            cache.add(row)
-        for s in active:
-            rows = [cache.get(t, fingerprints[s.policy]) for t in tasks[id(s)]]
-            ok = all(targets.met(r) for r in rows)
+            ok = all(runs.targets.met(r) for r in runs.rows(tasks[id(s)]))
             s.record(tasks[id(s)][0][3], ok)
         if progress:
             progress(searches)
@@ -362,10 +402,14 @@ def main(argv=None) -> int:
         bar.n = sum(s.done for s in ss)
         bar.refresh()
 
+    runs = Runs(targets, args.seeds, args.horizon_s, args.min_requests, args.overrides, cache,
+                pool, fps)  # fmt: skip
     start = time.perf_counter()
     try:
-        run_searches(searches, targets, args.seeds, args.horizon_s, args.min_requests,
-                     args.overrides, cache, pool, fps, progress)  # fmt: skip
+        run_searches(searches, runs, progress)
+        bar.close()
+        rows = plan_rows(searches, runs)
+        target = at_target(rows, runs, args.target_rate) if args.target_rate else []
     except UserError as e:
         bar.close()
         print(f"qllm-plan: error: {e}", file=sys.stderr)
@@ -375,29 +419,76 @@ def main(argv=None) -> int:
         print(f"qllm-plan: interrupted; {len(cache.rows)} runs kept in {out}/evaluations.csv; "
               f"resume with the same command and --out {out}", file=sys.stderr)  # fmt: skip
         return 130
-    bar.close()
-    rows = [{"policy": s.policy, "router": s.router, "replicas": s.replicas,
-             "max_rate": s.capacity, "max_rate_per_replica": s.capacity / s.replicas,
-             "bracket_hi": s.hi, "evaluations": s.evaluations} for s in searches]  # fmt: skip
-    with (out / "plan.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "plan.csv", rows)
     frontier_figure(rows, out / "frontier.png", args.target_rate)
-    print(f"{'policy':>10s} {'router':>18s} {'replicas':>8s} {'max req/s':>10s}")
+    print(f"{'policy':>10s} {'router':>18s} {'replicas':>8s} {'max req/s':>10s} "
+          f"{'BE TTFT p99 there':>18s}")  # fmt: skip
     for r in rows:
         # a search whose first rate already failed knows only an upper bound
         shown = f"{r['max_rate']:.3f}" if r["max_rate"] else f"< {r['bracket_hi']:g}"
-        print(f"{r['policy']:>10s} {r['router']:>18s} {r['replicas']:>8d} {shown:>10s}")
-    if args.target_rate:
-        print(f"\nfewest replicas for {args.target_rate:g} req/s:")
-        for p, rt in dict.fromkeys((r["policy"], r["router"]) for r in rows):
-            ok = [r["replicas"] for r in rows if r["policy"] == p and r["router"] == rt
-                  and r["max_rate"] >= args.target_rate]  # fmt: skip
-            print(f"  {p}, {rt}: {min(ok) if ok else f'more than {max(args.replicas)}'}")
-    print(f"\n{len(cache.rows)} runs in {time.perf_counter() - start:.0f} s -> {out}/plan.csv, "
-          "frontier.png, evaluations.csv")  # fmt: skip
+        print(f"{r['policy']:>10s} {r['router']:>18s} {r['replicas']:>8d} {shown:>10s} "
+              f"{_seconds(r['be_ttft_p99_s']):>18s}")  # fmt: skip
+    if target:
+        write_csv(out / "target.csv", target)
+        print(f"\nfewest replicas for {args.target_rate:g} req/s, and the figures of a run at "
+              "that rate (mean of the seeds):")  # fmt: skip
+        for t in target:
+            if t["replicas"] is None:
+                print(f"  {t['policy']}, {t['router']}: more than {max(args.replicas)}")
+                continue
+            print(f"  {t['policy']}, {t['router']}: {t['replicas']}  LS TTFT p99 "
+                  f"{_seconds(t['ls_ttft_p99_s'])}, BE TTFT p99 {_seconds(t['be_ttft_p99_s'])}, "
+                  f"BE turnaround mean {_seconds(t['be_turnaround_mean_s'])}, p99 "
+                  f"{_seconds(t['be_turnaround_p99_s'])}")  # fmt: skip
+            if not t["ok"]:
+                print(f"qllm-plan: warning: {t['policy']}, {t['router']} on {t['replicas']} "
+                      f"replicas sustains a higher rate but missed the targets at "
+                      f"{args.target_rate:g} req/s itself: the response is not monotone in the "
+                      "rate here (more seeds or a longer --horizon-s may settle it)",
+                      file=sys.stderr)  # fmt: skip
+    written = "plan.csv, " + ("target.csv, " if target else "") + "frontier.png, evaluations.csv"
+    print(f"\n{len(cache.rows)} runs in {time.perf_counter() - start:.0f} s -> {out}/: {written}")
     return 0
+
+
+def plan_rows(searches: list[Search], runs: Runs) -> list[dict]:
+    """plan.csv: each search's capacity and, at that rate, what BE work paid (the runs the
+    search made there)."""
+    rows = []
+    for s in searches:
+        row = {"policy": s.policy, "router": s.router, "replicas": s.replicas,
+               "max_rate": s.capacity, "max_rate_per_replica": s.capacity / s.replicas,
+               "bracket_hi": s.hi, "evaluations": s.evaluations}  # fmt: skip
+        there = runs.point(s.policy, s.router, s.replicas, s.capacity) if s.capacity else {}
+        rows.append({**row, **{k: there.get(k) for k in BE_COST}})
+    return rows
+
+
+def at_target(rows: list[dict], runs: Runs, rate: float) -> list[dict]:
+    """target.csv: for each (policy, router), the fewest replicas whose capacity reaches
+    ``rate`` (None: none searched does), and the figures of runs at ``rate`` itself there,
+    which a capacity above it does not give: what the LS SLO costs BE work at that load."""
+    out = []
+    for policy, router in dict.fromkeys((r["policy"], r["router"]) for r in rows):
+        enough = [r["replicas"] for r in rows if r["policy"] == policy and r["router"] == router
+                  and r["max_rate"] >= rate]  # fmt: skip
+        row = {"policy": policy, "router": router, "replicas": min(enough) if enough else None,
+               "rate": rate}  # fmt: skip
+        there = runs.point(policy, router, row["replicas"], rate) if enough else {}
+        keys = ("ok", "ls_ttft_p99_s", "goodput", "keeps_up", *BE_COST)
+        out.append({**row, **{k: there.get(k) for k in keys}})
+    return out
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
 
 
 def cli() -> None:

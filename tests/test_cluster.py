@@ -144,14 +144,31 @@ def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monke
     cap = {int(r["replicas"]): float(r["max_rate"]) for r in rows}
     assert cap[1] > 0 and cap[2] > 1.5 * cap[1]
     assert (tmp_path / "frontier.png").is_file()
-    runs = len(list(csv.DictReader((tmp_path / "evaluations.csv").open())))
+    evaluations = list(csv.DictReader((tmp_path / "evaluations.csv").open()))
+    for r in rows:  # what BE work paid at the capacity: the search's own run there
+        (there,) = [e for e in evaluations if int(e["replicas"]) == int(r["replicas"])
+                    and float(e["rate"]) == float(r["max_rate"])]  # fmt: skip
+        for key in plan.BE_COST:
+            assert float(r[key]) == float(there[key]) > 0, key
+    # a target between the two capacities: two replicas, and a run at the target rate itself
+    target = 1.2 * cap[1]
+    args += ["--target-rate", f"{target}"]
+    assert plan.main(args) == 0
+    (t,) = list(csv.DictReader((tmp_path / "target.csv").open()))
+    assert int(t["replicas"]) == 2 and t["ok"] == "True"
+    evaluations = list(csv.DictReader((tmp_path / "evaluations.csv").open()))
+    (there,) = [e for e in evaluations if int(e["replicas"]) == 2
+                and float(e["rate"]) == pytest.approx(target)]  # fmt: skip
+    for key in ("ls_ttft_p99_s", *plan.BE_COST):
+        assert float(t[key]) == float(there[key]), key
+    assert float(t["be_turnaround_p99_s"]) >= float(t["be_turnaround_mean_s"]) > 0
 
     def no_new_runs(task):
         raise AssertionError(f"resumed search ran {task}")
 
     monkeypatch.setattr(plan, "evaluate", no_new_runs)
     assert plan.main(args) == 0  # every evaluation is reused
-    assert len(list(csv.DictReader((tmp_path / "evaluations.csv").open()))) == runs
+    assert len(list(csv.DictReader((tmp_path / "evaluations.csv").open()))) == len(evaluations)
 
 
 def test_a_resumed_plan_reuses_no_run_of_another_profile_or_layout(tmp_path, capsys):
