@@ -1,7 +1,8 @@
 """``qllm-plan``: capacity planning. For each (policy, router, replica count), the highest arrival
 rate a cluster sustains within the SLO targets, found by bisection over the rate, with what BE
 work pays there (its TTFT p99 and turnaround); and, for a target rate, the fewest replicas that
-sustain it, with the LS and BE figures of runs at that rate on them.
+sustain it (bisected over the count between the counts searched), with the LS and BE figures
+of runs at that rate on them.
 
 A rate is *sustained* when, for every seed, a run of ``max(min_requests, rate x horizon_s)``
 arrivals meets every target: LS TTFT p99 <= ``--ls-ttft-p99-s``, goodput (the fraction of
@@ -464,19 +465,80 @@ def plan_rows(searches: list[Search], runs: Runs) -> list[dict]:
     return rows
 
 
-def at_target(rows: list[dict], runs: Runs, rate: float) -> list[dict]:
-    """target.csv: for each (policy, router), the fewest replicas whose capacity reaches
-    ``rate`` (None: none searched does), and the figures of runs at ``rate`` itself there,
-    which a capacity above it does not give: what the LS SLO costs BE work at that load."""
+@dataclass
+class Fewest:
+    """The bisection over the replica count for one (policy, router) at the target rate: ``hi``
+    replicas sustain it, ``lo`` do not (0: none). ``known``: counts whose answer is known, at
+    first from the capacity searches (a capacity at or above the rate: yes; a failed rate at
+    or below it: no); the counts in between are run at the rate. ``most``: the largest count
+    searched, run at the rate first when no count is known to sustain it and its own answer
+    is not known (the rate lies within its capacity bracket)."""
+
+    policy: str
+    router: str
+    most: int
+    known: dict[int, bool]
+    lo: int = 0
+    hi: int | None = None  # None: no count known to sustain the rate (yet)
+
+    def __post_init__(self) -> None:
+        self.hi = min((n for n, ok in self.known.items() if ok), default=None)
+        below = (n for n, ok in self.known.items() if not ok and (self.hi is None or n < self.hi))
+        self.lo = max(below, default=0)
+
+    @property
+    def done(self) -> bool:
+        if self.hi is None:
+            return self.most in self.known  # it does not sustain the rate: none does
+        return self.hi - self.lo <= 1
+
+    def next(self) -> int:
+        return self.most if self.hi is None else (self.lo + self.hi) // 2
+
+    def record(self, n: int, ok: bool) -> None:
+        self.known[n] = ok
+        if ok:
+            self.hi = n
+        else:
+            self.lo = max(self.lo, n)
+
+
+def fewest_searches(rows: list[dict], rate: float) -> list[Fewest]:
+    """One ``Fewest`` per (policy, router) of plan.csv's rows, with what their searches know."""
     out = []
     for policy, router in dict.fromkeys((r["policy"], r["router"]) for r in rows):
-        enough = [r["replicas"] for r in rows if r["policy"] == policy and r["router"] == router
-                  and r["max_rate"] >= rate]  # fmt: skip
-        row = {"policy": policy, "router": router, "replicas": min(enough) if enough else None,
-               "rate": rate}  # fmt: skip
-        there = runs.point(policy, router, row["replicas"], rate) if enough else {}
-        keys = ("ok", "ls_ttft_p99_s", "goodput", "keeps_up", *BE_COST)
-        out.append({**row, **{k: there.get(k) for k in keys}})
+        mine = [r for r in rows if r["policy"] == policy and r["router"] == router]
+        known = {}
+        for r in mine:
+            if r["max_rate"] >= rate:
+                known[r["replicas"]] = True
+            elif r["bracket_hi"] is not None and r["bracket_hi"] <= rate:
+                known[r["replicas"]] = False
+        out.append(Fewest(policy, router, max(r["replicas"] for r in mine), known))
+    return out
+
+
+def at_target(rows: list[dict], runs: Runs, rate: float) -> list[dict]:
+    """target.csv: for each (policy, router), the fewest replicas that sustain ``rate`` (None:
+    not even the most searched), by bisection over the count between those the capacity
+    searches bracket (a count in between is run at ``rate``; more replicas are assumed never
+    to sustain less), and the figures of runs at ``rate`` itself on that count, which a
+    capacity above it does not give: what the LS SLO costs BE work at that load."""
+    searches = fewest_searches(rows, rate)
+    while True:
+        active = [f for f in searches if not f.done]
+        if not active:
+            break
+        tasks = [runs.tasks(f.policy, f.router, f.next(), rate) for f in active]
+        runs.run([t for ts in tasks for t in ts])
+        for f, ts in zip(active, tasks, strict=True):
+            f.record(ts[0][2], all(runs.targets.met(r) for r in runs.rows(ts)))
+    out = []
+    keys = ("ok", "ls_ttft_p99_s", "goodput", "keeps_up", *BE_COST)
+    for f in searches:
+        there = runs.point(f.policy, f.router, f.hi, rate) if f.hi is not None else {}
+        out.append({"policy": f.policy, "router": f.router, "replicas": f.hi, "rate": rate,
+                    **{k: there.get(k) for k in keys}})  # fmt: skip
     return out
 
 

@@ -215,6 +215,46 @@ def test_a_resumed_plan_reuses_no_run_of_another_profile_or_layout(tmp_path, cap
     assert list(csv.DictReader((out / "evaluations.csv").open()))[0]["inputs"] == again[0]["inputs"]
 
 
+@pytest.mark.parametrize("rate, fewest, ran, ok", [
+    (5.0, 5, [6, 5], True),  # between the searched 4 and 8: counts 6, then 5 run at the rate
+    (0.5, 1, [1], True),  # the fewest searched already sustains it: only its figures are run
+    (8.5, None, [8], None),  # within 8's capacity bracket: 8 is run at the rate, and fails
+    # 8's capacity (8.3) says it sustains 8.2; 6 and 7 fail; the run at 8.2 on 8 replicas
+    # fails too (this oracle is not monotone in the rate): reported, not hidden
+    (8.2, 8, [6, 7, 8], False),
+])  # fmt: skip
+def test_fewest_replicas_for_a_target_rate_is_bisected_between_the_searched_counts(
+    tmp_path, rate, fewest, ran, ok
+):
+    """The capacity searches at 1, 2, 4 and 8 replicas bracket the answer; the counts between
+    are run at the target rate (here an oracle: n replicas sustain a rate up to n) and the
+    fewest that sustains it is found, with the figures of a run at the rate there."""
+    from sim.plan import Evaluations, Runs, Targets, at_target
+
+    capacity = {1: (1.0, 1.1), 2: (2.0, 2.2), 4: (4.1, 4.4), 8: (8.3, 9.0)}  # (max, bracket hi)
+    rows = [{"policy": "qllm", "router": "least_outstanding", "replicas": n, "max_rate": c,
+             "bracket_hi": hi} for n, (c, hi) in capacity.items()]  # fmt: skip
+    calls = []
+
+    def oracle(_fn, tasks):
+        for policy, router, n, r, seed, num, setup in tasks:
+            calls.append(n)
+            met = n >= r
+            yield {"policy": policy, "router": router, "replicas": n, "rate": r, "seed": seed,
+                   "num_requests": num, "setup": " ".join(setup),
+                   "ls_ttft_p99_s": 1.0 if met else 9.0, "goodput": 1.0, "keeps_up": 1.0,
+                   "jobs_per_s": r, "be_ttft_p99_s": 2.0 * n, "be_turnaround_mean_s": 3.0,
+                   "be_turnaround_p99_s": 4.0}  # fmt: skip
+
+    runs = Runs(Targets(3.0, 0.9, 0.8), [0], 10.0, 20, [], Evaluations(tmp_path / "e.csv"),
+                oracle, {"qllm": "fp"})  # fmt: skip
+    (t,) = at_target(rows, runs, rate)
+    assert t["replicas"] == fewest and calls == ran and t["ok"] is ok
+    if fewest is not None:  # the figures of the run at the rate on that count
+        assert t["be_ttft_p99_s"] == 2.0 * fewest and t["ls_ttft_p99_s"] == (1.0 if ok else 9.0)
+    assert len(list(csv.DictReader((tmp_path / "e.csv").open()))) == len(ran)  # all kept
+
+
 def test_a_rate_whose_backlog_grows_is_not_sustained_even_when_every_slo_is_met():
     from sim.plan import Targets
 
