@@ -430,23 +430,24 @@ def main(argv=None) -> int:
         print(f"{r['policy']:>10s} {r['router']:>18s} {r['replicas']:>8d} {shown:>10s} "
               f"{_seconds(r['be_ttft_p99_s']):>18s}")  # fmt: skip
     if target:
-        write_csv(out / "target.csv", target)
-        print(f"\nfewest replicas for {args.target_rate:g} req/s, and the figures of a run at "
+        write_csv(out / "target.csv", [t for t, _ in target])
+        print(f"\nfewest replicas for {args.target_rate:g} req/s, and the figures of its runs at "
               "that rate (mean of the seeds):")  # fmt: skip
-        for t in target:
+        for t, overturned in target:
             if t["replicas"] is None:
                 print(f"  {t['policy']}, {t['router']}: more than {max(args.replicas)}")
-                continue
-            print(f"  {t['policy']}, {t['router']}: {t['replicas']}  LS TTFT p99 "
-                  f"{_seconds(t['ls_ttft_p99_s'])}, BE TTFT p99 {_seconds(t['be_ttft_p99_s'])}, "
-                  f"BE turnaround mean {_seconds(t['be_turnaround_mean_s'])}, p99 "
-                  f"{_seconds(t['be_turnaround_p99_s'])}")  # fmt: skip
-            if not t["ok"]:
-                print(f"qllm-plan: warning: {t['policy']}, {t['router']} on {t['replicas']} "
-                      f"replicas sustains a higher rate but missed the targets at "
-                      f"{args.target_rate:g} req/s itself: the response is not monotone in the "
-                      "rate here (more seeds or a longer --horizon-s may settle it)",
-                      file=sys.stderr)  # fmt: skip
+            else:
+                print(f"  {t['policy']}, {t['router']}: {t['replicas']}  LS TTFT p99 "
+                      f"{_seconds(t['ls_ttft_p99_s'])}, BE TTFT p99 "
+                      f"{_seconds(t['be_ttft_p99_s'])}, BE turnaround mean "
+                      f"{_seconds(t['be_turnaround_mean_s'])}, p99 "
+                      f"{_seconds(t['be_turnaround_p99_s'])}")  # fmt: skip
+            for n in overturned:
+                print(f"qllm-plan: warning: {t['policy']}, {t['router']} on {n} replicas: its "
+                      f"capacity search says it sustains {args.target_rate:g} req/s, but its "
+                      "runs at that rate missed the targets (the response is not monotone in "
+                      "the rate there; more --seeds or a longer --horizon-s may settle it): "
+                      "more replicas were searched", file=sys.stderr)  # fmt: skip
     written = "plan.csv, " + ("target.csv, " if target else "") + "frontier.png, evaluations.csv"
     print(f"\n{len(cache.rows)} runs in {time.perf_counter() - start:.0f} s -> {out}/: {written}")
     return 0
@@ -467,78 +468,88 @@ def plan_rows(searches: list[Search], runs: Runs) -> list[dict]:
 
 @dataclass
 class Fewest:
-    """The bisection over the replica count for one (policy, router) at the target rate: ``hi``
-    replicas sustain it, ``lo`` do not (0: none). ``known``: counts whose answer is known, at
-    first from the capacity searches (a capacity at or above the rate: yes; a failed rate at
-    or below it: no); the counts in between are run at the rate. ``most``: the largest count
-    searched, run at the rate first when no count is known to sustain it and its own answer
-    is not known (the rate lies within its capacity bracket)."""
+    """The bisection over the replica count for one (policy, router) at the target rate.
+    ``hints``: what the capacity searches say of the counts they searched (a capacity at or
+    above the rate: sustained; a failed rate at or below it: not); ``ran``: the counts run at
+    the rate itself, and whether they met the targets, which overrule a hint. The answer is
+    always a count that ran at the rate and met them, with the next lower count known not to
+    (a count's status: its run's, else its hint's). More replicas are assumed never to
+    sustain less: a hint that a run overturns is kept in ``overturned``, for a warning."""
 
     policy: str
     router: str
-    most: int
-    known: dict[int, bool]
-    lo: int = 0
-    hi: int | None = None  # None: no count known to sustain the rate (yet)
+    most: int  # the largest count searched: none above it is tried
+    hints: dict[int, bool]
+    ran: dict[int, bool] = field(default_factory=dict)
+    overturned: list[int] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.hi = min((n for n, ok in self.known.items() if ok), default=None)
-        below = (n for n, ok in self.known.items() if not ok and (self.hi is None or n < self.hi))
-        self.lo = max(below, default=0)
+    def status(self, n: int) -> bool | None:
+        return self.ran[n] if n in self.ran else self.hints.get(n)
 
-    @property
-    def done(self) -> bool:
-        if self.hi is None:
-            return self.most in self.known  # it does not sustain the rate: none does
-        return self.hi - self.lo <= 1
+    def _hi(self) -> int | None:
+        return min((n for n in [*self.hints, *self.ran] if self.status(n)), default=None)
 
-    def next(self) -> int:
-        return self.most if self.hi is None else (self.lo + self.hi) // 2
+    def next(self) -> int | None:
+        """The count to run at the rate next; None: the search is over."""
+        hi = self._hi()
+        if hi is None:  # nothing known to sustain it: the most replicas, unless known to fail
+            return None if self.status(self.most) is False else self.most
+        lo = max((n for n in [*self.hints, *self.ran] if n < hi and self.status(n) is False),
+                 default=0)  # fmt: skip
+        if hi - lo > 1:
+            return (lo + hi) // 2
+        return None if hi in self.ran else hi  # the answer itself runs at the rate
 
     def record(self, n: int, ok: bool) -> None:
-        self.known[n] = ok
-        if ok:
-            self.hi = n
-        else:
-            self.lo = max(self.lo, n)
+        if self.hints.get(n) and not ok:
+            self.overturned.append(n)
+        self.ran[n] = ok
+
+    @property
+    def answer(self) -> int | None:
+        hi = self._hi()
+        return hi if hi is not None and self.ran.get(hi) else None
 
 
 def fewest_searches(rows: list[dict], rate: float) -> list[Fewest]:
-    """One ``Fewest`` per (policy, router) of plan.csv's rows, with what their searches know."""
+    """One ``Fewest`` per (policy, router) of plan.csv's rows, with what their searches say."""
     out = []
     for policy, router in dict.fromkeys((r["policy"], r["router"]) for r in rows):
         mine = [r for r in rows if r["policy"] == policy and r["router"] == router]
-        known = {}
+        hints = {}
         for r in mine:
             if r["max_rate"] >= rate:
-                known[r["replicas"]] = True
+                hints[r["replicas"]] = True
             elif r["bracket_hi"] is not None and r["bracket_hi"] <= rate:
-                known[r["replicas"]] = False
-        out.append(Fewest(policy, router, max(r["replicas"] for r in mine), known))
+                hints[r["replicas"]] = False
+        out.append(Fewest(policy, router, max(r["replicas"] for r in mine), hints))
     return out
 
 
-def at_target(rows: list[dict], runs: Runs, rate: float) -> list[dict]:
-    """target.csv: for each (policy, router), the fewest replicas that sustain ``rate`` (None:
-    not even the most searched), by bisection over the count between those the capacity
-    searches bracket (a count in between is run at ``rate``; more replicas are assumed never
-    to sustain less), and the figures of runs at ``rate`` itself on that count, which a
-    capacity above it does not give: what the LS SLO costs BE work at that load."""
+def at_target(rows: list[dict], runs: Runs, rate: float) -> list[tuple[dict, list[int]]]:
+    """target.csv: for each (policy, router), the fewest replicas whose runs at ``rate`` meet
+    the targets (None: not even the most searched), by bisection over the count between those
+    the capacity searches bracket, and the figures of those runs, which a capacity above the
+    rate does not give: what the LS SLO costs BE work at that load. Each row comes with the
+    counts whose capacity said they sustain ``rate`` but whose runs at it missed."""
     searches = fewest_searches(rows, rate)
     while True:
-        active = [f for f in searches if not f.done]
-        if not active:
+        steps = [(f, f.next()) for f in searches]
+        steps = [(f, n) for f, n in steps if n is not None]
+        if not steps:
             break
-        tasks = [runs.tasks(f.policy, f.router, f.next(), rate) for f in active]
+        tasks = [runs.tasks(f.policy, f.router, n, rate) for f, n in steps]
         runs.run([t for ts in tasks for t in ts])
-        for f, ts in zip(active, tasks, strict=True):
-            f.record(ts[0][2], all(runs.targets.met(r) for r in runs.rows(ts)))
+        for (f, n), ts in zip(steps, tasks, strict=True):
+            f.record(n, all(runs.targets.met(r) for r in runs.rows(ts)))
     out = []
-    keys = ("ok", "ls_ttft_p99_s", "goodput", "keeps_up", *BE_COST)
+    keys = ("ls_ttft_p99_s", "goodput", "keeps_up", *BE_COST)
     for f in searches:
-        there = runs.point(f.policy, f.router, f.hi, rate) if f.hi is not None else {}
-        out.append({"policy": f.policy, "router": f.router, "replicas": f.hi, "rate": rate,
-                    **{k: there.get(k) for k in keys}})  # fmt: skip
+        n = f.answer
+        there = runs.point(f.policy, f.router, n, rate) if n is not None else {}
+        row = {"policy": f.policy, "router": f.router, "replicas": n, "rate": rate,
+               **{k: there.get(k) for k in keys}}  # fmt: skip
+        out.append((row, f.overturned))
     return out
 
 
