@@ -10,7 +10,11 @@ workload is built once, outside the timing; the median of --repeats runs is repo
 sglang with their paged memory, as above), with fast-forward on and off: simulated requests
 per CPU second and per wall-clock second of the simulation loop
 (``Cluster.run``: workload, setup and outputs excluded), medians of --repeats runs with their
-spread (min-max). CPU time is what one core does when the machine is shared.
+spread (min-max). CPU time is what one core does when the machine is shared. Then one more
+run per policy with ``Scheduler.next_batch`` (the policy's selection and its bookkeeping) and
+``Scheduler.complete_iteration`` timed: their microseconds per request, the pure-Python
+scheduler's share of the loop (every policy plugs in there), against the 20 us a request that
+the goal leaves for everything.
 ``--cluster-requests N`` then adds one run of N requests of that trace, repeated and rescaled
 to ``--cluster-rate``, on ``--replicas`` replicas (least_outstanding), with its CPU and wall
 time and peak memory (RSS); ``--cluster-only`` runs just that. The cluster run streams its
@@ -80,6 +84,35 @@ def run_loop(cfg, requests, progress: bool = False) -> tuple[float, float, int]:
     return time.perf_counter() - wall, time.process_time() - cpu, result.events
 
 
+def scheduler_share(cfg, requests) -> tuple[float, float, float]:
+    """(loop CPU s, next_batch s, complete_iteration s) of one run with those two timed (a
+    wrapper's perf_counter pair adds well under a microsecond a call)."""
+    from policies.scheduler import Scheduler
+
+    spent = {"next_batch": 0.0, "complete_iteration": 0.0}
+    originals = {name: getattr(Scheduler, name) for name in spent}
+
+    def timed(name):
+        inner, clock = originals[name], time.perf_counter
+
+        def call(self, now):
+            t = clock()
+            out = inner(self, now)
+            spent[name] += clock() - t
+            return out
+
+        return call
+
+    try:
+        for name in spent:
+            setattr(Scheduler, name, timed(name))
+        _, cpu, _ = run_loop(cfg, requests)
+    finally:
+        for name, fn in originals.items():
+            setattr(Scheduler, name, fn)
+    return cpu, spent["next_batch"], spent["complete_iteration"]
+
+
 def trace_speed(args) -> None:
     with open(args.trace) as f:
         rows = sum(1 for _ in f) - 1  # the header
@@ -107,6 +140,14 @@ def trace_speed(args) -> None:
                       f"events_per_request={runs[0][2] / n:.2f}", flush=True)  # fmt: skip
                 if fast_forward:
                     reached[policy] = statistics.median(cpu)
+            cfg.fast_forward = True
+            loop_s, select_s, complete_s = scheduler_share(cfg, requests)
+            us = 1e6 / len(requests)
+            print(f"policy={policy} scheduler_us_per_request={(select_s + complete_s) * us:.1f} "
+                  f"next_batch_us={select_s * us:.1f} "
+                  f"complete_iteration_us={complete_s * us:.1f} "
+                  f"loop_us={loop_s * us:.1f} "
+                  f"goal_us={1e6 / GOAL_REQUESTS_PER_CPU_S:.0f}", flush=True)  # fmt: skip
         if reached:
             print(f"goal_requests_per_cpu_s={GOAL_REQUESTS_PER_CPU_S} " + " ".join(
                 f"{p}={r / GOAL_REQUESTS_PER_CPU_S:.0%}" for p, r in reached.items()))  # fmt: skip
