@@ -110,6 +110,8 @@ def main(cfg: DictConfig) -> float | None:
 
 def rerun_reason(before: dict | None, now: dict) -> str:
     """Which of a finished run's inputs differ from today's, in words."""
+    if not before:
+        return "it records no inputs (made by a qllm-sim from before summary.json had them)"
     what = {"code": "the simulator's code", "profile": "the profile's files",
             "workload": "the workload file"}  # fmt: skip
     changed = provenance.changed(before, now)

@@ -70,9 +70,8 @@ def inputs(cfg: Any) -> dict[str, str | None]:
     }
 
 
-def changed(old: dict | None, new: dict) -> list[str]:
-    """Which of ``new``'s inputs differ from ``old``'s (every one when ``old`` has none)."""
-    old = old or {}
+def changed(old: dict, new: dict) -> list[str]:
+    """Which of ``new``'s inputs differ from ``old``'s."""
     return [k for k, v in new.items() if old.get(k) != v]
 
 

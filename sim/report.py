@@ -139,13 +139,13 @@ def mixed_inputs(sweep_dir: str | Path) -> list[str]:
     (``summary.json``'s ``inputs``; runs from before it are counted apart)."""
     import json
 
-    code: dict[str, list[Path]] = {}
+    code: set[str] = set()
     profile: dict[str, set] = {}
     for run in find_runs(Path(sweep_dir)):
         summary = json.loads((run / "summary.json").read_text())
         inputs = summary.get("inputs") or {}
         name = (summary.get("config") or {}).get("profile", {}).get("name")
-        code.setdefault(inputs.get("code") or "unknown", []).append(run)
+        code.add(inputs.get("code") or "unknown")
         profile.setdefault(name, set()).add(inputs.get("profile") or "unknown")
     out = []
     if len(code) > 1:

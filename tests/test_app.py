@@ -244,6 +244,12 @@ def test_a_sweep_reruns_a_finished_run_whose_profile_or_trace_file_changed(tmp_p
     assert third["inputs"]["workload"] != second["inputs"]["workload"]
     assert third["inputs"]["code"] == first["inputs"]["code"]
 
+    del third["inputs"]  # as a summary.json written before runs recorded their inputs
+    (run / "summary.json").write_text(json.dumps(third))
+    r = qllm_sim(*args, cwd=tmp_path)
+    assert f"rerunning {run}: it records no inputs" in r.stdout, r.stdout + r.stderr
+    assert "inputs" in json.loads((run / "summary.json").read_text())
+
 
 def test_the_code_digest_changes_with_any_simulator_source(tmp_path, monkeypatch):
     import shutil
