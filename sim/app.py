@@ -113,7 +113,8 @@ def rerun_reason(before: dict | None, now: dict) -> str:
     if not before:
         return "it records no inputs (made by a qllm-sim from before summary.json had them)"
     what = {"code": "the simulator's code", "profile": "the profile's files",
-            "workload": "the workload file"}  # fmt: skip
+            "workload": "the workload file",
+            "data": "the installed data sets or tokenizer"}  # fmt: skip
     changed = provenance.changed(before, now)
     return " and ".join(what.get(k, k) for k in changed) + " changed since it finished"
 

@@ -17,8 +17,9 @@ or to Ray workers (``--executor ray``; ``RAY_ADDRESS`` picks a cluster, else a l
 Evaluations are appended to ``evaluations.csv`` in the output directory as they finish, so an
 interrupted search rerun with the same ``--out`` resumes where it stopped. Each row carries a
 digest of the resolved config and of what the run was made from (the simulator's code, the
-profile's files, the workload file: ``sim.provenance``); a run is reused only when it equals
-today's, so a resumed search never mixes in runs of other code or inputs.
+profile's files, the workload file, the installed data sets it reads: ``sim.provenance``); a
+run is reused only when it equals today's, so a resumed search never mixes in runs of other
+code or inputs.
 
 Example::
 
@@ -389,7 +390,8 @@ def main(argv=None) -> int:
     others = cache.others(fps)
     if others:
         print(f"qllm-plan: {others} runs in {out}/evaluations.csv were made from another "
-              "config, code, profile or workload file: not reused", file=sys.stderr)  # fmt: skip
+              "config, code, profile, workload file or installed data set: not reused",
+              file=sys.stderr)  # fmt: skip
     targets = Targets(args.ls_ttft_p99_s, args.goodput, args.keeps_up)
     searches = [Search(p, r, n, args.rate_lo * n, args.rel_tol)
                 for p in args.policies for r in args.routers for n in sorted(args.replicas)

