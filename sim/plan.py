@@ -5,7 +5,8 @@ sustain it (bisected over the count between the counts searched), with the LS an
 of runs at that rate on them.
 
 A rate is *sustained* when, for every seed, a run of ``max(min_requests, rate x horizon_s)``
-arrivals meets every target: LS TTFT p99 <= ``--ls-ttft-p99-s``, goodput (the fraction of
+arrivals (a trace workload: the whole trace, rescaled to the rate, unless ``--horizon-s`` is
+given) meets every target: LS TTFT p99 <= ``--ls-ttft-p99-s``, goodput (the fraction of
 requests meeting every SLO that is set) >= ``--goodput``, and the cluster keeps up: its
 steady-state completions per second (README, Outputs) are at least ``--keeps-up`` times the
 arrival rate, so that BE work without an SLO cannot pile up unseen. The search brackets the
@@ -144,8 +145,32 @@ class Search:
         return self.lo if self.lo_ok else 0.0
 
 
+HORIZON_S = 300.0  # a run's span where the workload is not a trace (or --horizon-s)
+
+
 def num_requests(rate: float, horizon_s: float, min_requests: int) -> int:
     return max(min_requests, math.ceil(rate * horizon_s))
+
+
+def trace_requests(overrides: list[str]) -> int | None:
+    """The number of requests of the workload's trace (None: the workload is not a trace).
+    Rescaled to a rate, the whole trace is the workload at that rate: its first part alone
+    has other bursts and lengths than the rest (on the conversation trace, 4 replicas under
+    ``iteration`` at 6.5 req/s give an LS TTFT p99 of 2.2-2.4 s over its first 1,950 requests
+    and 3.2-3.4 s over its first 7,800)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from sim.app import CONF_DIR
+    from sim.workloads import trace
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        w = compose("config", overrides=list(overrides)).workload
+    kind = getattr(w.kind, "value", w.kind)
+    if kind != "trace" or not w.path:
+        return None
+    return len(trace.read_trace(Path(w.path).expanduser())[0])
 
 
 class Evaluations:
@@ -206,20 +231,25 @@ def _float(x) -> float | None:
 @dataclass
 class Runs:
     """The runs of one ``qllm-plan``: each point (policy, router, replicas, rate) is a run per
-    seed of ``max(min_requests, rate x horizon_s)`` arrivals, made by ``pool`` unless
-    ``cache`` holds it from the same inputs (``fingerprints``: policy -> fingerprint)."""
+    seed of ``max(min_requests, rate x horizon_s)`` arrivals (``horizon_s`` None: ``whole``,
+    every request of the trace), made by ``pool`` unless ``cache`` holds it from the same
+    inputs (``fingerprints``: policy -> fingerprint)."""
 
     targets: Targets
     seeds: list[int]
-    horizon_s: float
+    horizon_s: float | None
     min_requests: int
     overrides: list[str]
     cache: Evaluations
     pool: Any
     fingerprints: dict[str, str]
+    whole: int | None = None
 
     def tasks(self, policy: str, router: str, replicas: int, rate: float) -> list[tuple]:
-        n = num_requests(rate, self.horizon_s, self.min_requests)
+        if self.horizon_s is None:
+            n = self.whole
+        else:
+            n = num_requests(rate, self.horizon_s, self.min_requests)
         return [(policy, router, replicas, rate, seed, n, tuple(self.overrides))
                 for seed in self.seeds]  # fmt: skip
 
@@ -354,7 +384,9 @@ def main(argv=None) -> int:
                     help="also report the fewest replicas that sustain this rate")  # fmt: skip
     ap.add_argument("--rate-lo", type=float, default=0.25, help="first rate per replica")
     ap.add_argument("--rel-tol", type=float, default=0.05)
-    ap.add_argument("--horizon-s", type=float, default=300.0)
+    ap.add_argument("--horizon-s", type=float, default=None,
+                    help=f"each run's span: rate x this many arrivals (default {HORIZON_S:g}; "
+                    "a trace workload: the whole trace at every rate)")  # fmt: skip
     ap.add_argument("--min-requests", type=int, default=200)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--jobs", type=int, default=2)
@@ -371,16 +403,30 @@ def main(argv=None) -> int:
     problems += [f"--replicas {n}: must be >= 1" for n in args.replicas if n < 1]
     if not 0 < args.goodput <= 1:
         problems.append(f"--goodput {args.goodput}: must be in (0, 1]")
-    if args.rate_lo <= 0 or args.rel_tol <= 0 or args.horizon_s <= 0:
+    if args.rate_lo <= 0 or args.rel_tol <= 0 or (args.horizon_s is not None
+                                                   and args.horizon_s <= 0):  # fmt: skip
         problems.append("--rate-lo, --rel-tol and --horizon-s must be > 0")
     if problems:
         print(f"qllm-plan: error: {problems[0]}", file=sys.stderr)
         return 2
     try:
         fps = fingerprints(args.overrides, args.policies)
+        whole = trace_requests(args.overrides)
     except UserError as e:
         print(f"qllm-plan: error: {e}", file=sys.stderr)
         return 2
+    horizon_s = args.horizon_s
+    if whole is None and horizon_s is None:
+        horizon_s = HORIZON_S
+    elif horizon_s is not None:  # a horizon given for a trace: say what part of it is replayed
+        first = args.rate_lo * min(args.replicas)  # the lowest rate tried
+        part = num_requests(first, horizon_s, args.min_requests)
+        if part < whole:
+            print(f"qllm-plan: warning: --horizon-s {horizon_s:g} replays only the first rate x "
+                  f"{horizon_s:g} of the trace's {whole} requests ({part} at {first:g} req/s), "
+                  "rescaled to the rate: a capacity found there has not seen the rest of the "
+                  "trace's bursts; leave --horizon-s out to replay the whole trace at every "
+                  "rate", file=sys.stderr)  # fmt: skip
     out = args.out or Path("results/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True, exist_ok=True)
     cache = Evaluations(out / "evaluations.csv")
@@ -405,8 +451,8 @@ def main(argv=None) -> int:
         bar.n = sum(s.done for s in ss)
         bar.refresh()
 
-    runs = Runs(targets, args.seeds, args.horizon_s, args.min_requests, args.overrides, cache,
-                pool, fps)  # fmt: skip
+    runs = Runs(targets, args.seeds, horizon_s, args.min_requests, args.overrides, cache,
+                pool, fps, whole)  # fmt: skip
     start = time.perf_counter()
     try:
         run_searches(searches, runs, progress)

@@ -316,6 +316,29 @@ def test_plan_runs_its_search_on_a_local_ray_with_the_same_result(tmp_path):
     assert all(float(rate) > 0 for _, rate in plans["ray"])
 
 
+def test_plan_replays_a_whole_trace_at_every_rate_unless_told_a_horizon(tmp_path, capsys):
+    """A trace rescaled to a rate is the workload at that rate: every run replays all of it
+    (its first part has other bursts than the rest). A --horizon-s that cuts it is warned of."""
+    import sim.plan as plan
+
+    trace = tmp_path / "trace.csv"
+    rows = [f"{0.5 * i + (3.0 if i > 60 else 0.0):.2f},{40 + i % 7},{6 + i % 4}" for i in range(90)]
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" + "\n".join(rows) + "\n")
+    common = ["--replicas", "1", "--policies", "fcfs", "--rate-lo", "0.25", "--rel-tol", "0.5",
+              "--jobs", "1", "--goodput", "0.5", "--keeps-up", "0.5", "--min-requests", "20",
+              "--ls-ttft-p99-s", "10", "workload=trace", f"workload.path={trace}"]  # fmt: skip
+    assert plan.main([*common, "--out", str(tmp_path / "whole")]) == 0
+    runs = list(csv.DictReader((tmp_path / "whole" / "evaluations.csv").open()))
+    assert len({r["rate"] for r in runs}) >= 2  # several rates, each over the whole trace
+    assert {r["num_requests"] for r in runs} == {"90"}
+    assert "warning" not in capsys.readouterr().err
+    assert plan.main([*common, "--horizon-s", "80", "--out", str(tmp_path / "part")]) == 0
+    err = capsys.readouterr().err
+    assert "--horizon-s 80 replays only the first rate x 80 of the trace's 90 requests" in err
+    runs = list(csv.DictReader((tmp_path / "part" / "evaluations.csv").open()))
+    assert min(int(r["num_requests"]) for r in runs) == 20  # 0.25 req/s x 80 s
+
+
 def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_path, capsys):
     import sim.plan as plan
 
