@@ -418,7 +418,7 @@ def main(argv=None) -> int:
     horizon_s = args.horizon_s
     if whole is None and horizon_s is None:
         horizon_s = HORIZON_S
-    elif horizon_s is not None:  # a horizon given for a trace: say what part of it is replayed
+    elif whole is not None and horizon_s is not None:  # say what part of the trace is replayed
         first = args.rate_lo * min(args.replicas)  # the lowest rate tried
         part = num_requests(first, horizon_s, args.min_requests)
         if part < whole:
