@@ -152,25 +152,18 @@ def num_requests(rate: float, horizon_s: float, min_requests: int) -> int:
     return max(min_requests, math.ceil(rate * horizon_s))
 
 
-def trace_requests(overrides: list[str]) -> int | None:
+def trace_requests(workload: Any) -> int | None:
     """The number of requests of the workload's trace (None: the workload is not a trace).
     Rescaled to a rate, the whole trace is the workload at that rate: its first part alone
     has other bursts and lengths than the rest (on the conversation trace, 4 replicas under
     ``iteration`` at 6.5 req/s give an LS TTFT p99 of 2.2-2.4 s over its first 1,950 requests
     and 3.2-3.4 s over its first 7,800)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from sim.app import CONF_DIR
     from sim.workloads import trace
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        w = compose("config", overrides=list(overrides)).workload
-    kind = getattr(w.kind, "value", w.kind)
-    if kind != "trace" or not w.path:
+    kind = getattr(workload.kind, "value", workload.kind)
+    if kind != "trace" or not workload.path:
         return None
-    return len(trace.read_trace(Path(w.path).expanduser())[0])
+    return len(trace.read_trace(Path(workload.path).expanduser())[0])
 
 
 class Evaluations:
@@ -340,10 +333,11 @@ def frontier_figure(rows: list[dict], path: Path, target_rate: float | None) -> 
     return path
 
 
-def fingerprints(overrides: list[str], policies: list[str]) -> dict[str, str]:
+def fingerprints(overrides: list[str], policies: list[str]) -> tuple[dict[str, str], Any]:
     """Compose and validate each policy's config once, so that a bad override fails here in
-    one line; returns each policy's fingerprint: its resolved config (at the defaults of what
-    the search varies) and the digests of the code, profile and workload file it reads."""
+    one line; returns each policy's fingerprint (its resolved config, at the defaults of what
+    the search varies, and the digests of the code, profile and workload file it reads) and
+    the workload's config (the policies share it)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -364,7 +358,7 @@ def fingerprints(overrides: list[str], policies: list[str]) -> dict[str, str]:
     except Exception as e:  # noqa: BLE001  (Hydra's many error types: one line each)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{' '.join(overrides)}: {first}") from None
-    return out
+    return out, cfg.workload
 
 
 def main(argv=None) -> int:
@@ -410,8 +404,8 @@ def main(argv=None) -> int:
         print(f"qllm-plan: error: {problems[0]}", file=sys.stderr)
         return 2
     try:
-        fps = fingerprints(args.overrides, args.policies)
-        whole = trace_requests(args.overrides)
+        fps, workload = fingerprints(args.overrides, args.policies)
+        whole = trace_requests(workload)
     except UserError as e:
         print(f"qllm-plan: error: {e}", file=sys.stderr)
         return 2
