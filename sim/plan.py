@@ -4,17 +4,17 @@ work pays there (its TTFT p99 and turnaround); and, for a target rate, the fewes
 sustain it (bisected over the count between the counts searched), with the LS and BE figures
 of runs at that rate on them.
 
-A rate is *sustained* when, for every seed, a run of ``max(min_requests, rate x horizon_s)``
-arrivals (a trace workload: the whole trace, rescaled to the rate, unless ``--horizon-s`` is
-given) meets every target: LS TTFT p99 <= ``--ls-ttft-p99-s``, goodput (the fraction of
-requests meeting every SLO that is set) >= ``--goodput``, and the cluster keeps up: its
-steady-state completions per second (README, Outputs) are at least ``--keeps-up`` times the
-arrival rate, so that BE work without an SLO cannot pile up unseen. The search brackets the
-capacity by
-doubling from ``--rate-lo``, then bisects until the bracket is within ``--rel-tol``; it assumes
-that a cluster that sustains a rate sustains every lower one. All searches advance together:
-the runs of one step (every search's next rate x seeds) go to a pool of processes (``--jobs``),
-or to Ray workers (``--executor ray``; ``RAY_ADDRESS`` picks a cluster, else a local one).
+A rate is *sustained* when, for every seed, a run of ``max(min_requests x replicas, rate x
+horizon_s)`` arrivals (a trace workload: the whole trace, rescaled to the rate, unless
+``--horizon-s`` is given) meets every target: LS TTFT p99 <= ``--ls-ttft-p99-s``, goodput (the
+fraction of requests meeting every SLO that is set) >= ``--goodput``, and the cluster keeps up:
+its steady-state completions per second (README, Outputs) are at least ``--keeps-up`` (0.95)
+times the arrival rate, so that BE work without an SLO cannot pile up unseen. The search
+brackets the capacity by doubling from ``--rate-lo``, then bisects until the bracket is within
+``--rel-tol``; it assumes that a cluster that sustains a rate sustains every lower one. All
+searches advance together: the runs of one step (every search's next rate x seeds) go to a pool
+of processes (``--jobs``), or to Ray workers (``--executor ray``; ``RAY_ADDRESS`` picks a
+cluster, else a local one).
 Evaluations are appended to ``evaluations.csv`` in the output directory as they finish, so an
 interrupted search rerun with the same ``--out`` resumes where it stopped. Each row carries a
 digest of the resolved config and of what the run was made from (the simulator's code, the
@@ -148,8 +148,15 @@ class Search:
 HORIZON_S = 300.0  # a run's span where the workload is not a trace (or --horizon-s)
 
 
-def num_requests(rate: float, horizon_s: float, min_requests: int) -> int:
-    return max(min_requests, math.ceil(rate * horizon_s))
+# at least this many arrivals per replica in a run (--min-requests): on shorter runs the
+# completions-per-arrival ratio of a cluster that keeps up scatters too widely to tell 5% of
+# backlog growth from noise (README, Capacity planning)
+MIN_REQUESTS = 2000
+
+
+def num_requests(rate: float, horizon_s: float, min_requests: int, replicas: int) -> int:
+    """A run's arrivals: rate x horizon_s, at least ``min_requests`` per replica."""
+    return max(min_requests * replicas, math.ceil(rate * horizon_s))
 
 
 def trace_requests(workload: Any) -> int | None:
@@ -224,9 +231,9 @@ def _float(x) -> float | None:
 @dataclass
 class Runs:
     """The runs of one ``qllm-plan``: each point (policy, router, replicas, rate) is a run per
-    seed of ``max(min_requests, rate x horizon_s)`` arrivals (``horizon_s`` None: ``whole``,
-    every request of the trace), made by ``pool`` unless ``cache`` holds it from the same
-    inputs (``fingerprints``: policy -> fingerprint)."""
+    seed of ``max(min_requests x replicas, rate x horizon_s)`` arrivals (``horizon_s`` None:
+    ``whole``, every request of the trace), made by ``pool`` unless ``cache`` holds it from the
+    same inputs (``fingerprints``: policy -> fingerprint)."""
 
     targets: Targets
     seeds: list[int]
@@ -242,7 +249,7 @@ class Runs:
         if self.horizon_s is None:
             n = self.whole
         else:
-            n = num_requests(rate, self.horizon_s, self.min_requests)
+            n = num_requests(rate, self.horizon_s, self.min_requests, replicas)
         return [(policy, router, replicas, rate, seed, n, tuple(self.overrides))
                 for seed in self.seeds]  # fmt: skip
 
@@ -361,7 +368,7 @@ def fingerprints(overrides: list[str], policies: list[str]) -> tuple[dict[str, s
     return out, cfg.workload
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="qllm-plan", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Trailing arguments are qllm-sim overrides (workload=..., "
@@ -371,7 +378,7 @@ def main(argv=None) -> int:
     ap.add_argument("--routers", nargs="+", default=["least_outstanding"])
     ap.add_argument("--ls-ttft-p99-s", type=float, default=3.0)
     ap.add_argument("--goodput", type=float, default=0.99)
-    ap.add_argument("--keeps-up", type=float, default=0.8,
+    ap.add_argument("--keeps-up", type=float, default=0.95,
                     help="steady-state completions per arrival at least this (a backlog that "
                     "grows without bound is not sustained)")  # fmt: skip
     ap.add_argument("--target-rate", type=float, default=None,
@@ -381,7 +388,9 @@ def main(argv=None) -> int:
     ap.add_argument("--horizon-s", type=float, default=None,
                     help=f"each run's span: rate x this many arrivals (default {HORIZON_S:g}; "
                     "a trace workload: the whole trace at every rate)")  # fmt: skip
-    ap.add_argument("--min-requests", type=int, default=200)
+    ap.add_argument("--min-requests", type=int, default=MIN_REQUESTS,
+                    help="arrivals per replica a run has at least (default %(default)s; not "
+                    "for a whole trace)")  # fmt: skip
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--executor", choices=["process", "ray"], default="process")
@@ -389,7 +398,11 @@ def main(argv=None) -> int:
                     help="output directory (default results/plan/<date>_<time>); an existing "
                     "one resumes its search")  # fmt: skip
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     from sim.cluster import ROUTERS
 
     problems = [f"--routers {r}: unknown router; choose from {', '.join(ROUTERS)}"
@@ -413,8 +426,9 @@ def main(argv=None) -> int:
     if whole is None and horizon_s is None:
         horizon_s = HORIZON_S
     elif whole is not None and horizon_s is not None:  # say what part of the trace is replayed
-        first = args.rate_lo * min(args.replicas)  # the lowest rate tried
-        part = num_requests(first, horizon_s, args.min_requests)
+        fewest = min(args.replicas)
+        first = args.rate_lo * fewest  # the lowest rate tried
+        part = num_requests(first, horizon_s, args.min_requests, fewest)
         if part < whole:
             print(f"qllm-plan: warning: --horizon-s {horizon_s:g} replays only the first rate x "
                   f"{horizon_s:g} of the trace's {whole} requests ({part} at {first:g} req/s), "

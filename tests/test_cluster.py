@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 
 import numpy as np
 import pytest
@@ -270,6 +271,25 @@ def test_a_rate_whose_backlog_grows_is_not_sustained_even_when_every_slo_is_met(
     assert targets.met({**fine, "ls_ttft_p99_s": ""})  # no LS request: no LS target to miss
 
 
+def test_default_run_length_and_keeps_up_tell_a_backlog_growing_by_a_tenth_from_noise():
+    """At the default run length (MIN_REQUESTS arrivals per replica) and --keeps-up, a
+    replica well within its capacity is sustained on every seed, and one overloaded by about
+    a seventh (its backlog grows by 10-15% of arrivals, with every SLO met under qllm) is not;
+    the former defaults (200 arrivals, 0.8) accepted the overload and, under qllm, scattered
+    the replica that keeps up over 0.82-0.92 (README, Capacity planning)."""
+    from sim.plan import MIN_REQUESTS, evaluate, parser
+
+    default = parser().parse_args([])
+    assert default.min_requests == MIN_REQUESTS and default.keeps_up == 0.95
+    for policy in ("iteration", "qllm"):
+        for rate, sustained in ((0.6, True), (1.6, False)):
+            for seed in (0, 1):
+                row = evaluate((policy, "least_outstanding", 1, rate, seed, MIN_REQUESTS, ()))
+                assert (row["keeps_up"] >= 0.95) == sustained, (policy, rate, seed, row)
+                if not sustained:
+                    assert row["keeps_up"] > 0.8, row  # the old default's blind spot
+
+
 def test_plan_refuses_a_bad_override_in_one_line(tmp_path, capsys):
     import sim.plan as plan
 
@@ -301,7 +321,7 @@ def test_plan_runs_its_search_on_a_local_ray_with_the_same_result(tmp_path):
 
     common = ["--replicas", "1", "2", "--policies", "qllm", "--rate-lo", "0.5", "--rel-tol",
               "0.2", "--horizon-s", "30", "--min-requests", "30", "--goodput", "0.9",
-              "workload=synthetic", "workload.output.tokens=16",
+              "--keeps-up", "0.8", "workload=synthetic", "workload.output.tokens=16",
               "workload.prompt.tokens=64"]  # fmt: skip
     plans = {}
     for executor, jobs in (("ray", "2"), ("process", "1")):
@@ -314,6 +334,10 @@ def test_plan_runs_its_search_on_a_local_ray_with_the_same_result(tmp_path):
                            for row in csv.DictReader((out / "plan.csv").open())]  # fmt: skip
     assert plans["ray"] == plans["process"]
     assert all(float(rate) > 0 for _, rate in plans["ray"])
+    # --min-requests is per replica: a run on 2 replicas has at least 60 arrivals
+    for row in csv.DictReader((tmp_path / "process" / "evaluations.csv").open()):
+        want = max(30 * int(row["replicas"]), math.ceil(float(row["rate"]) * 30))
+        assert int(row["num_requests"]) == want, row
 
 
 def test_plan_replays_a_whole_trace_at_every_rate_unless_told_a_horizon(tmp_path, capsys):
