@@ -435,6 +435,14 @@ def main(argv=None) -> int:
                   "rescaled to the rate: a capacity found there has not seen the rest of the "
                   "trace's bursts; leave --horizon-s out to replay the whole trace at every "
                   "rate", file=sys.stderr)  # fmt: skip
+    if whole is not None and horizon_s is None:
+        short = [n for n in sorted(args.replicas) if whole < args.min_requests * n]
+        if short:
+            print(f"qllm-plan: warning: the trace's {whole} requests are fewer than "
+                  f"--min-requests {args.min_requests} per replica on {short[0]} replicas and "
+                  "more: keeps_up is noisier there (the backlog's own swings weigh more against "
+                  "fewer arrivals); --horizon-s replays the trace repeated to at least "
+                  "--min-requests per replica", file=sys.stderr)  # fmt: skip
     out = args.out or Path("results/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True, exist_ok=True)
     cache = Evaluations(out / "evaluations.csv")
