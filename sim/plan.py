@@ -244,6 +244,7 @@ class Runs:
     pool: Any
     fingerprints: dict[str, str]
     whole: int | None = None
+    on_run: Any = None  # called after each run made (a progress bar's tick)
 
     def tasks(self, policy: str, router: str, replicas: int, rate: float) -> list[tuple]:
         if self.horizon_s is None:
@@ -260,6 +261,8 @@ class Runs:
             row["ok"] = self.targets.met(row)
             row["inputs"] = self.fingerprints[row["policy"]]
             self.cache.add(row)
+            if self.on_run is not None:
+                self.on_run()
 
     def rows(self, tasks: list[tuple]) -> list[dict | None]:
         return [self.cache.get(t, self.fingerprints[t[0]]) for t in tasks]
@@ -461,20 +464,36 @@ def main(argv=None) -> int:
     pool = ray_pool(args.jobs) if args.executor == "ray" else process_pool(args.jobs)
     from tqdm import tqdm
 
+    # a bar per stage, each counting its searches done; the runs made so far tick after it
     bar = tqdm(total=len(searches), desc="searching", unit="search")
+    made = 0
+
+    def ran():
+        nonlocal made
+        made += 1
+        bar.set_postfix_str(f"{made} runs made", refresh=True)
 
     def progress(ss):
         bar.n = sum(s.done for s in ss)
         bar.refresh()
 
+    def fewest_progress(done, total):
+        nonlocal bar
+        if bar.desc != "fewest replicas":
+            bar.close()
+            bar = tqdm(total=total, desc="fewest replicas", unit="search")
+        bar.n = done
+        bar.set_postfix_str(f"{made} runs made", refresh=True)
+
     runs = Runs(targets, args.seeds, horizon_s, args.min_requests, args.overrides, cache,
-                pool, fps, whole)  # fmt: skip
+                pool, fps, whole, on_run=ran)  # fmt: skip
     start = time.perf_counter()
     try:
         run_searches(searches, runs, progress)
-        bar.close()
         rows = plan_rows(searches, runs)
-        target = at_target(rows, runs, args.target_rate) if args.target_rate else []
+        target = (at_target(rows, runs, args.target_rate, fewest_progress)
+                  if args.target_rate else [])  # fmt: skip
+        bar.close()
     except UserError as e:
         bar.close()
         print(f"qllm-plan: error: {e}", file=sys.stderr)
@@ -590,16 +609,21 @@ def fewest_searches(rows: list[dict], rate: float) -> list[Fewest]:
     return out
 
 
-def at_target(rows: list[dict], runs: Runs, rate: float) -> list[tuple[dict, list[int]]]:
+def at_target(
+    rows: list[dict], runs: Runs, rate: float, progress=None
+) -> list[tuple[dict, list[int]]]:
     """target.csv: for each (policy, router), the fewest replicas whose runs at ``rate`` meet
     the targets (None: not even the most searched), by bisection over the count between those
     the capacity searches bracket, and the figures of those runs, which a capacity above the
     rate does not give: what the LS SLO costs BE work at that load. Each row comes with the
-    counts whose capacity said they sustain ``rate`` but whose runs at it missed."""
+    counts whose capacity said they sustain ``rate`` but whose runs at it missed.
+    ``progress(done, total)``: called with the searches finished before each step."""
     searches = fewest_searches(rows, rate)
     while True:
         steps = [(f, f.next()) for f in searches]
         steps = [(f, n) for f, n in steps if n is not None]
+        if progress:
+            progress(len(searches) - len(steps), len(searches))
         if not steps:
             break
         tasks = [runs.tasks(f.policy, f.router, n, rate) for f, n in steps]

@@ -133,7 +133,7 @@ def test_bisection_finds_a_monotone_capacity_within_tolerance():
     assert low.done and low.capacity == 0.0
 
 
-def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monkeypatch):
+def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monkeypatch, capsys):
     import sim.plan as plan
 
     args = ["--replicas", "1", "2", "--policies", "qllm", "--rate-lo", "0.5",
@@ -154,7 +154,10 @@ def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monke
     # a target between the two capacities: two replicas, and a run at the target rate itself
     target = 1.2 * cap[1]
     args += ["--target-rate", f"{target}"]
+    capsys.readouterr()
     assert plan.main(args) == 0
+    err = capsys.readouterr().err  # the fewest-replicas stage has its own bar, with the runs
+    assert "fewest replicas" in err and "1 runs made" in err, err
     (t,) = list(csv.DictReader((tmp_path / "target.csv").open()))
     assert int(t["replicas"]) == 2
     evaluations = list(csv.DictReader((tmp_path / "evaluations.csv").open()))
