@@ -36,6 +36,11 @@ class Router:
     def choose(self, scheds: Sequence[Scheduler], request: Request) -> int:
         raise NotImplementedError
 
+    @staticmethod
+    def fewest_replicas(ls_replicas: int = 1) -> int:
+        """The fewest replicas this router can serve (``cluster.ls_replicas`` given)."""
+        return 1
+
 
 def _least(scheds: Sequence[Scheduler], among: range, key: Callable[[Scheduler], float]) -> int:
     """The replica in ``among`` with the smallest key; ties go to the lowest index."""
@@ -99,6 +104,10 @@ class LSDedicated(Router):
             )
         self.ls = range(ls_replicas)
         self.be = range(ls_replicas, num_replicas)
+
+    @staticmethod
+    def fewest_replicas(ls_replicas: int = 1) -> int:
+        return ls_replicas + 1  # at least one BE replica
 
     def choose(self, scheds, request):
         return _least(scheds, self.ls if request.cls == LS else self.be, _outstanding)

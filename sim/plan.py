@@ -347,7 +347,7 @@ def fingerprints(overrides: list[str], policies: list[str]) -> tuple[dict[str, s
     """Compose and validate each policy's config once, so that a bad override fails here in
     one line; returns each policy's fingerprint (its resolved config, at the defaults of what
     the search varies, and the digests of the code, profile and workload file it reads) and
-    the workload's config (the policies share it)."""
+    the last one's config (its workload and cluster groups are every policy's)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -368,7 +368,7 @@ def fingerprints(overrides: list[str], policies: list[str]) -> tuple[dict[str, s
     except Exception as e:  # noqa: BLE001  (Hydra's many error types: one line each)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{' '.join(overrides)}: {first}") from None
-    return out, cfg.workload
+    return out, cfg
 
 
 def parser() -> argparse.ArgumentParser:
@@ -420,8 +420,8 @@ def main(argv=None) -> int:
         print(f"qllm-plan: error: {problems[0]}", file=sys.stderr)
         return 2
     try:
-        fps, workload = fingerprints(args.overrides, args.policies)
-        whole = trace_requests(workload)
+        fps, cfg = fingerprints(args.overrides, args.policies)
+        whole = trace_requests(cfg.workload)
     except UserError as e:
         print(f"qllm-plan: error: {e}", file=sys.stderr)
         return 2
@@ -458,9 +458,21 @@ def main(argv=None) -> int:
               "config, code, profile, workload file or installed data set: not reused",
               file=sys.stderr)  # fmt: skip
     targets = Targets(args.ls_ttft_p99_s, args.goodput, args.keeps_up)
+    # a router that reserves replicas (ls_dedicated) serves no fewer than it reserves, plus one
+    least = {r: ROUTERS[r].fewest_replicas(cfg.cluster.ls_replicas) for r in args.routers}
+    for r in args.routers:
+        below = [n for n in sorted(args.replicas) if n < least[r]]
+        if below:
+            print(f"qllm-plan: warning: --routers {r} needs at least {least[r]} replicas "
+                  f"(cluster.ls_replicas={cfg.cluster.ls_replicas}, plus one): not searched on "
+                  f"{', '.join(map(str, below))}", file=sys.stderr)  # fmt: skip
     searches = [Search(p, r, n, args.rate_lo * n, args.rel_tol)
                 for p in args.policies for r in args.routers for n in sorted(args.replicas)
-                if not (r == "ls_dedicated" and n < 2)]  # fmt: skip
+                if n >= least[r]]  # fmt: skip
+    if not searches:
+        print("qllm-plan: error: no --replicas count is enough for any --routers",
+              file=sys.stderr)  # fmt: skip
+        return 2
     pool = ray_pool(args.jobs) if args.executor == "ray" else process_pool(args.jobs)
     from tqdm import tqdm
 
@@ -491,7 +503,7 @@ def main(argv=None) -> int:
     try:
         run_searches(searches, runs, progress)
         rows = plan_rows(searches, runs)
-        target = (at_target(rows, runs, args.target_rate, fewest_progress)
+        target = (at_target(rows, runs, args.target_rate, least, fewest_progress)
                   if args.target_rate else [])  # fmt: skip
         bar.close()
     except UserError as e:
@@ -563,6 +575,7 @@ class Fewest:
     router: str
     most: int  # the largest count searched: none above it is tried
     hints: dict[int, bool]
+    least: int = 1  # the fewest the router can serve: none below it is tried
     ran: dict[int, bool] = field(default_factory=dict)
     overturned: list[int] = field(default_factory=list)
 
@@ -578,7 +591,7 @@ class Fewest:
         if hi is None:  # nothing known to sustain it: the most replicas, unless known to fail
             return None if self.status(self.most) is False else self.most
         lo = max((n for n in [*self.hints, *self.ran] if n < hi and self.status(n) is False),
-                 default=0)  # fmt: skip
+                 default=self.least - 1)  # fmt: skip
         if hi - lo > 1:
             return (lo + hi) // 2
         return None if hi in self.ran else hi  # the answer itself runs at the rate
@@ -594,8 +607,9 @@ class Fewest:
         return hi if hi is not None and self.ran.get(hi) else None
 
 
-def fewest_searches(rows: list[dict], rate: float) -> list[Fewest]:
-    """One ``Fewest`` per (policy, router) of plan.csv's rows, with what their searches say."""
+def fewest_searches(rows: list[dict], rate: float, least: dict[str, int]) -> list[Fewest]:
+    """One ``Fewest`` per (policy, router) of plan.csv's rows, with what their searches say
+    (``least``: router -> the fewest replicas it serves)."""
     out = []
     for policy, router in dict.fromkeys((r["policy"], r["router"]) for r in rows):
         mine = [r for r in rows if r["policy"] == policy and r["router"] == router]
@@ -605,12 +619,13 @@ def fewest_searches(rows: list[dict], rate: float) -> list[Fewest]:
                 hints[r["replicas"]] = True
             elif r["bracket_hi"] is not None and r["bracket_hi"] <= rate:
                 hints[r["replicas"]] = False
-        out.append(Fewest(policy, router, max(r["replicas"] for r in mine), hints))
+        most = max(r["replicas"] for r in mine)
+        out.append(Fewest(policy, router, most, hints, least.get(router, 1)))
     return out
 
 
 def at_target(
-    rows: list[dict], runs: Runs, rate: float, progress=None
+    rows: list[dict], runs: Runs, rate: float, least: dict[str, int], progress=None
 ) -> list[tuple[dict, list[int]]]:
     """target.csv: for each (policy, router), the fewest replicas whose runs at ``rate`` meet
     the targets (None: not even the most searched), by bisection over the count between those
@@ -618,7 +633,7 @@ def at_target(
     rate does not give: what the LS SLO costs BE work at that load. Each row comes with the
     counts whose capacity said they sustain ``rate`` but whose runs at it missed.
     ``progress(done, total)``: called with the searches finished before each step."""
-    searches = fewest_searches(rows, rate)
+    searches = fewest_searches(rows, rate, least)
     while True:
         steps = [(f, f.next()) for f in searches]
         steps = [(f, n) for f, n in steps if n is not None]

@@ -253,7 +253,7 @@ def test_fewest_replicas_for_a_target_rate_is_bisected_between_the_searched_coun
 
     runs = Runs(Targets(3.0, 0.9, 0.8), [0], 10.0, 20, [], Evaluations(tmp_path / "e.csv"),
                 oracle, {"qllm": "fp"})  # fmt: skip
-    ((t, warned),) = at_target(rows, runs, rate)
+    ((t, warned),) = at_target(rows, runs, rate, {})
     assert t["replicas"] == fewest and calls == ran and warned == overturned
     if fewest is not None:  # the figures of the runs at the rate on that count
         assert t["be_ttft_p99_s"] == 2.0 * fewest and t["ls_ttft_p99_s"] == 1.0
@@ -368,6 +368,33 @@ def test_plan_replays_a_whole_trace_at_every_rate_unless_told_a_horizon(tmp_path
     assert plan.main([*common[:2], "5", *common[2:], "--out", str(tmp_path / "five")]) == 0
     err = capsys.readouterr().err
     assert "the trace's 90 requests are fewer than --min-requests 20 per replica on 5" in err
+
+
+def test_plan_never_runs_ls_dedicated_on_fewer_replicas_than_it_reserves(tmp_path, capsys):
+    """ls_dedicated serves no fewer than cluster.ls_replicas + 1 replicas: the fewest-replicas
+    bisection stops there (it tried 1 and failed the whole plan on the config error), and a
+    count below it is warned of, not silently dropped."""
+    import sim.plan as plan
+
+    common = ["--policies", "fcfs", "--routers", "ls_dedicated", "--rate-lo", "0.5",
+              "--rel-tol", "0.5", "--horizon-s", "10", "--min-requests", "10", "--jobs", "1",
+              "--goodput", "0.5", "--keeps-up", "0.5", "--target-rate", "0.3",
+              "workload=synthetic", "workload.output.tokens=8",
+              "workload.prompt.tokens=32"]  # fmt: skip
+    assert plan.main(["--replicas", "2", "--out", str(tmp_path / "one"), *common]) == 0
+    (t,) = list(csv.DictReader((tmp_path / "one" / "target.csv").open()))
+    assert int(t["replicas"]) == 2
+    capsys.readouterr()
+    out = tmp_path / "two"
+    assert plan.main(["--replicas", "2", "4", "--out", str(out), *common,
+                      "cluster.ls_replicas=2"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert ("--routers ls_dedicated needs at least 3 replicas (cluster.ls_replicas=2, plus "
+            "one): not searched on 2") in err  # fmt: skip
+    ran = {int(r["replicas"]) for r in csv.DictReader((out / "evaluations.csv").open())}
+    assert ran == {3, 4}
+    (t,) = list(csv.DictReader((out / "target.csv").open()))
+    assert int(t["replicas"]) == 3
 
 
 def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_path, capsys):
