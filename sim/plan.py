@@ -62,6 +62,34 @@ class Targets:
         return ttft_ok and goodput >= self.goodput and keeps_up >= self.keeps_up
 
 
+def router_overrides(router: str) -> list[str]:
+    """A --routers entry as overrides: a router's name, or ``ls_dedicated:k`` for k replicas
+    reserved for LS work (``cluster.ls_replicas=k``)."""
+    name, sep, k = router.partition(":")
+    return [f"cluster.router={name}", *([f"cluster.ls_replicas={k}"] if sep else [])]
+
+
+def router_problem(router: str) -> str | None:
+    """What is wrong with a --routers entry (None: nothing)."""
+    from sim.cluster import ROUTERS
+
+    name, sep, k = router.partition(":")
+    if name not in ROUTERS:
+        return f"--routers {router}: unknown router; choose from {', '.join(ROUTERS)}"
+    if sep and (name != "ls_dedicated" or not k.isdigit() or int(k) < 1):
+        return (f"--routers {router}: only ls_dedicated takes a count, ls_dedicated:k with "
+                "k >= 1 replicas reserved for LS work")  # fmt: skip
+    return None
+
+
+def fewest_replicas(router: str, ls_replicas: int) -> int:
+    """The fewest replicas a --routers entry serves (``ls_replicas``: the config's)."""
+    from sim.cluster import ROUTERS
+
+    name, sep, k = router.partition(":")
+    return ROUTERS[name].fewest_replicas(int(k) if sep else ls_replicas)
+
+
 def evaluate(task: tuple) -> dict:
     """One run: (policy, router, replicas, rate, seed, num_requests, overrides) -> a row."""
     from hydra import compose, initialize_config_dir
@@ -74,7 +102,7 @@ def evaluate(task: tuple) -> dict:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[
-            *overrides, f"policy={policy}", f"cluster.router={router}",
+            *overrides, f"policy={policy}", *router_overrides(router),
             f"cluster.replicas={replicas}", f"workload.rate={rate}", f"seed={seed}",
             f"workload.num_requests={n}"])  # fmt: skip
     out = simulate(cfg)
@@ -378,7 +406,9 @@ def parser() -> argparse.ArgumentParser:
                                  "profile=..., slo.ls_ttft_s=...).")  # fmt: skip
     ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--policies", nargs="+", default=["iteration", "qllm"])
-    ap.add_argument("--routers", nargs="+", default=["least_outstanding"])
+    ap.add_argument("--routers", nargs="+", default=["least_outstanding"],
+                    help="routers to search; ls_dedicated:k reserves k replicas for LS work "
+                    "(ls_dedicated alone: cluster.ls_replicas)")  # fmt: skip
     ap.add_argument("--ls-ttft-p99-s", type=float, default=3.0)
     ap.add_argument("--goodput", type=float, default=0.99)
     ap.add_argument("--keeps-up", type=float, default=0.95,
@@ -406,10 +436,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    from sim.cluster import ROUTERS
-
-    problems = [f"--routers {r}: unknown router; choose from {', '.join(ROUTERS)}"
-                for r in args.routers if r not in ROUTERS]  # fmt: skip
+    problems = [p for p in map(router_problem, args.routers) if p]
     problems += [f"--replicas {n}: must be >= 1" for n in args.replicas if n < 1]
     if not 0 < args.goodput <= 1:
         problems.append(f"--goodput {args.goodput}: must be in (0, 1]")
@@ -459,12 +486,12 @@ def main(argv=None) -> int:
               file=sys.stderr)  # fmt: skip
     targets = Targets(args.ls_ttft_p99_s, args.goodput, args.keeps_up)
     # a router that reserves replicas (ls_dedicated) serves no fewer than it reserves, plus one
-    least = {r: ROUTERS[r].fewest_replicas(cfg.cluster.ls_replicas) for r in args.routers}
+    least = {r: fewest_replicas(r, cfg.cluster.ls_replicas) for r in args.routers}
     for r in args.routers:
         below = [n for n in sorted(args.replicas) if n < least[r]]
         if below:
             print(f"qllm-plan: warning: --routers {r} needs at least {least[r]} replicas "
-                  f"(cluster.ls_replicas={cfg.cluster.ls_replicas}, plus one): not searched on "
+                  f"({least[r] - 1} reserved for LS, plus one): not searched on "
                   f"{', '.join(map(str, below))}", file=sys.stderr)  # fmt: skip
     searches = [Search(p, r, n, args.rate_lo * n, args.rel_tol)
                 for p in args.policies for r in args.routers for n in sorted(args.replicas)

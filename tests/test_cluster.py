@@ -389,12 +389,41 @@ def test_plan_never_runs_ls_dedicated_on_fewer_replicas_than_it_reserves(tmp_pat
     assert plan.main(["--replicas", "2", "4", "--out", str(out), *common,
                       "cluster.ls_replicas=2"]) == 0  # fmt: skip
     err = capsys.readouterr().err
-    assert ("--routers ls_dedicated needs at least 3 replicas (cluster.ls_replicas=2, plus "
+    assert ("--routers ls_dedicated needs at least 3 replicas (2 reserved for LS, plus "
             "one): not searched on 2") in err  # fmt: skip
     ran = {int(r["replicas"]) for r in csv.DictReader((out / "evaluations.csv").open())}
     assert ran == {3, 4}
     (t,) = list(csv.DictReader((out / "target.csv").open()))
     assert int(t["replicas"]) == 3
+
+
+def test_plan_routers_ls_dedicated_k_reserves_k_replicas(tmp_path, capsys):
+    """``--routers ls_dedicated:k`` runs ls_dedicated with k LS replicas (the runs equal those
+    with cluster.ls_replicas=k, and differ from k=1), is searched from k + 1 replicas, and
+    a count on any other router is refused in one line."""
+    import sim.plan as plan
+
+    setup = ("workload=synthetic", "workload.output.tokens=8", "workload.prompt.tokens=32")
+    two = plan.evaluate(("fcfs", "ls_dedicated:2", 4, 6.0, 0, 200, setup))
+    same = plan.evaluate(("fcfs", "ls_dedicated", 4, 6.0, 0, 200,
+                          (*setup, "cluster.ls_replicas=2")))  # fmt: skip
+    one = plan.evaluate(("fcfs", "ls_dedicated", 4, 6.0, 0, 200, setup))
+    keys = ("ls_ttft_p99_s", "be_ttft_p99_s", "be_turnaround_mean_s")
+    assert [two[k] for k in keys] == [same[k] for k in keys]
+    assert [two[k] for k in keys] != [one[k] for k in keys]
+    out = tmp_path / "plan"
+    assert plan.main(["--replicas", "2", "3", "--policies", "fcfs", "--routers",
+                      "ls_dedicated:2", "ls_dedicated", "--rate-lo", "0.5", "--rel-tol", "0.5",
+                      "--horizon-s", "10", "--min-requests", "10", "--jobs", "1", "--goodput",
+                      "0.5", "--keeps-up", "0.5", "--out", str(out), *setup]) == 0  # fmt: skip
+    assert "--routers ls_dedicated:2 needs at least 3 replicas" in capsys.readouterr().err
+    searched = {
+        (r["router"], int(r["replicas"])) for r in csv.DictReader((out / "plan.csv").open())
+    }
+    assert searched == {("ls_dedicated:2", 3), ("ls_dedicated", 2), ("ls_dedicated", 3)}
+    assert plan.main(["--routers", "least_kv:2", "--out", str(tmp_path / "x"), *setup]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("qllm-plan: error: --routers least_kv:2: only ls_dedicated"), err
 
 
 def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_path, capsys):
