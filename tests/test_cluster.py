@@ -424,6 +424,10 @@ def test_plan_routers_ls_dedicated_k_reserves_k_replicas(tmp_path, capsys):
     assert plan.main(["--routers", "least_kv:2", "--out", str(tmp_path / "x"), *setup]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("qllm-plan: error: --routers least_kv:2: only ls_dedicated"), err
+    assert plan.main(["--replicas", "1", "2", "--routers", "ls_dedicated:2", "--out",
+                      str(tmp_path / "y"), *setup]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "qllm-plan: error: no --replicas count is enough for any --routers", err
 
 
 def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_path, capsys):
