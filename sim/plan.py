@@ -551,6 +551,11 @@ def main(argv=None) -> int:
         shown = f"{r['max_rate']:.3f}" if r["max_rate"] else f"< {r['bracket_hi']:g}"
         print(f"{r['policy']:>10s} {r['router']:>18s} {r['replicas']:>8d} {shown:>10s} "
               f"{_seconds(r['be_ttft_p99_s']):>18s}")  # fmt: skip
+    if cfg.slo.be_ttft_s is None and cfg.workload.ls_fraction < 1:
+        print("qllm-plan: note: BE work has no SLO (slo.be_ttft_s): a capacity bounds LS TTFT "
+              "and the backlog's growth over the run, not what BE work waits in the workload's "
+              "bursts (its TTFT p99 above); set slo.be_ttft_s to bound that too",
+              file=sys.stderr)  # fmt: skip
     if target:
         write_csv(out / "target.csv", [t for t, _ in target])
         print(f"\nfewest replicas for {args.target_rate:g} req/s, and the figures of its runs at "

@@ -158,6 +158,7 @@ def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monke
     assert plan.main(args) == 0
     err = capsys.readouterr().err  # the fewest-replicas stage has its own bar, with the runs
     assert "fewest replicas" in err and "1 runs made" in err, err
+    assert "note: BE work has no SLO (slo.be_ttft_s)" in err  # what the capacities bound
     (t,) = list(csv.DictReader((tmp_path / "target.csv").open()))
     assert int(t["replicas"]) == 2
     evaluations = list(csv.DictReader((tmp_path / "evaluations.csv").open()))
@@ -381,7 +382,9 @@ def test_plan_never_runs_ls_dedicated_on_fewer_replicas_than_it_reserves(tmp_pat
               "--goodput", "0.5", "--keeps-up", "0.5", "--target-rate", "0.3",
               "workload=synthetic", "workload.output.tokens=8",
               "workload.prompt.tokens=32"]  # fmt: skip
-    assert plan.main(["--replicas", "2", "--out", str(tmp_path / "one"), *common]) == 0
+    assert plan.main(["--replicas", "2", "--out", str(tmp_path / "one"), *common,
+                      "slo.be_ttft_s=30"]) == 0  # fmt: skip
+    assert "note: BE work has no SLO" not in capsys.readouterr().err  # it has one
     (t,) = list(csv.DictReader((tmp_path / "one" / "target.csv").open()))
     assert int(t["replicas"]) == 2
     capsys.readouterr()
