@@ -62,11 +62,17 @@ class Targets:
         return ttft_ok and goodput >= self.goodput and keeps_up >= self.keeps_up
 
 
-def router_overrides(router: str) -> list[str]:
-    """A --routers entry as overrides: a router's name, or ``ls_dedicated:k`` for k replicas
-    reserved for LS work (``cluster.ls_replicas=k``)."""
+def router_spec(router: str) -> tuple[str, int | None]:
+    """A --routers entry: a router's name, or ``ls_dedicated:k`` for k replicas reserved for
+    LS work; (name, k), k None when not given. ``router_problem`` has checked it."""
     name, sep, k = router.partition(":")
-    return [f"cluster.router={name}", *([f"cluster.ls_replicas={k}"] if sep else [])]
+    return name, int(k) if sep else None
+
+
+def router_overrides(router: str) -> list[str]:
+    """A --routers entry as overrides (``ls_dedicated:k``: ``cluster.ls_replicas=k``)."""
+    name, k = router_spec(router)
+    return [f"cluster.router={name}", *([] if k is None else [f"cluster.ls_replicas={k}"])]
 
 
 def router_problem(router: str) -> str | None:
@@ -86,8 +92,8 @@ def fewest_replicas(router: str, ls_replicas: int) -> int:
     """The fewest replicas a --routers entry serves (``ls_replicas``: the config's)."""
     from sim.cluster import ROUTERS
 
-    name, sep, k = router.partition(":")
-    return ROUTERS[name].fewest_replicas(int(k) if sep else ls_replicas)
+    name, k = router_spec(router)
+    return ROUTERS[name].fewest_replicas(ls_replicas if k is None else k)
 
 
 def evaluate(task: tuple) -> dict:
