@@ -62,6 +62,17 @@ class Targets:
         return ttft_ok and goodput >= self.goodput and keeps_up >= self.keeps_up
 
 
+# the keys each run's overrides set (after the user's, which they would silently replace)
+SEARCHED = {
+    "policy": "--policies",
+    "cluster.router": "--routers",
+    "cluster.replicas": "--replicas",
+    "workload.rate": "--rate-lo and --target-rate (the search sets the rate)",
+    "seed": "--seeds",
+    "workload.num_requests": "--min-requests and --horizon-s",
+}
+
+
 def router_spec(router: str) -> tuple[str, int | None]:
     """A --routers entry: a router's name, or ``ls_dedicated:k`` for k replicas reserved for
     LS work; (name, k), k None when not given. ``router_problem`` has checked it."""
@@ -443,6 +454,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     problems = [p for p in map(router_problem, args.routers) if p]
+    problems += [
+        f"{o}: qllm-plan sets {key} in every run; use {SEARCHED[key]}"
+        for o in args.overrides
+        if (key := o.split("=", 1)[0].lstrip("+~")) in SEARCHED
+    ]
     problems += [f"--replicas {n}: must be >= 1" for n in args.replicas if n < 1]
     if not 0 < args.goodput <= 1:
         problems.append(f"--goodput {args.goodput}: must be in (0, 1]")

@@ -433,6 +433,29 @@ def test_plan_routers_ls_dedicated_k_reserves_k_replicas(tmp_path, capsys):
     assert err[-1] == "qllm-plan: error: no --replicas count is enough for any --routers", err
 
 
+@pytest.mark.parametrize(
+    "override,flag",
+    [
+        ("cluster.replicas=4", "--replicas"),
+        ("seed=3", "--seeds"),
+        ("policy=fcfs", "--policies"),
+        ("cluster.router=ls_first", "--routers"),
+        ("workload.rate=2", "--rate-lo"),
+        ("workload.num_requests=50", "--min-requests"),
+    ],
+)
+def test_plan_refuses_an_override_that_its_runs_would_silently_replace(override, flag, capsys):
+    """Each run sets the policy, router, replica count, rate, seed and request count after the
+    user's overrides: such an override was ignored without a word (the runs had 1 replica
+    and seed 0 after cluster.replicas=4 seed=3)."""
+    import sim.plan as plan
+
+    assert plan.main(["--replicas", "1", "--policies", "fcfs", "--jobs", "1", override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"qllm-plan: error: {override}: qllm-plan sets "), err
+    assert flag in err[-1]
+
+
 def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_path, capsys):
     import sim.plan as plan
 
