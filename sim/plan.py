@@ -127,8 +127,7 @@ def evaluate(task: tuple) -> dict:
     ls, be = classes["LS"]["ttft_s"]["p99"], classes["BE"]
     goodput = classes["all"]["goodput"]
     if goodput is None:  # a target no run can meet would report a capacity of 0 without a word
-        raise UserError("--goodput: no request of this workload has an SLO (LS requests with "
-                        "slo.ls_ttft_s, or set slo.be_ttft_s)")  # fmt: skip
+        raise UserError(no_slo_problem(cfg, len(out.requests)))
     # A policy that keeps LS within its SLO can let BE work pile up without bound: a sustained
     # rate must also be completed, i.e. the steady-state completions keep up with arrivals.
     arrivals = out.requests["arrival_s"]
@@ -142,6 +141,24 @@ def evaluate(task: tuple) -> dict:
             "be_ttft_p99_s": be["ttft_s"]["p99"],
             "be_turnaround_mean_s": be["turnaround_s"]["mean"],
             "be_turnaround_p99_s": be["turnaround_s"]["p99"]}  # fmt: skip
+
+
+def slo_problem(cfg) -> str | None:
+    """Why no run of this config can have a request with an SLO, which --goodput needs: LS
+    work always has one (slo.ls_ttft_s), but the workload makes no LS request and BE work has
+    none. None: some run can."""
+    be_slo = cfg.slo.be_ttft_s is not None or cfg.slo.be_tpot_s is not None
+    if not be_slo and cfg.workload.get("ls_fraction", 1.0) <= 0:
+        return ("--goodput: no request of this workload has an SLO (workload.ls_fraction=0 "
+                "makes no LS request): set slo.be_ttft_s")  # fmt: skip
+    return None
+
+
+def no_slo_problem(cfg, n: int) -> str:
+    """Why a run of ``n`` requests has no request with an SLO (so no goodput)."""
+    return slo_problem(cfg) or (
+        f"--goodput: a run of {n} requests drew no LS request, so none has an SLO: raise "
+        "--min-requests (or set slo.be_ttft_s)")  # fmt: skip
 
 
 @dataclass
@@ -470,6 +487,8 @@ def main(argv=None) -> int:
         return 2
     try:
         fps, cfg = fingerprints(args.overrides, args.policies)
+        if problem := slo_problem(cfg):  # before any run, not after a step of them
+            raise UserError(problem)
         whole = trace_requests(cfg.workload)
     except UserError as e:
         print(f"qllm-plan: error: {e}", file=sys.stderr)
