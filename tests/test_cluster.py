@@ -469,9 +469,7 @@ def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_pa
     assert not (tmp_path / "evaluations.csv").exists()  # refused before any run
 
 
-def test_a_short_run_that_draws_no_ls_request_blames_its_length_not_the_workload(
-    tmp_path, capsys
-):
+def test_a_short_run_drawing_no_ls_request_blames_its_length(tmp_path, capsys):
     # 5 arrivals at a 1% LS share: this seed draws no LS request (asserted below), so the
     # run has no request with an SLO though the workload does
     import sim.plan as plan
@@ -482,8 +480,10 @@ def test_a_short_run_that_draws_no_ls_request_blames_its_length_not_the_workload
                       "workload.output.tokens=4"])  # fmt: skip
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("qllm-plan: error: --goodput: a run of 5 requests drew no LS request, so "
-                       "none has an SLO: raise --min-requests (or set slo.be_ttft_s)"), err
+    assert err[-1] == (
+        "qllm-plan: error: --goodput: a run of 5 requests drew no LS request, so "
+        "none has an SLO: raise --min-requests (or set slo.be_ttft_s)"
+    ), err
 
 
 # ------------------------------------------------------------------- streaming, bounded memory
