@@ -93,10 +93,64 @@ def router_problem(router: str) -> str | None:
     name, sep, k = router.partition(":")
     if name not in ROUTERS:
         return f"--routers {router}: unknown router; choose from {', '.join(ROUTERS)}"
-    if sep and (name != "ls_dedicated" or not k.isdigit() or int(k) < 1):
+    if not sep:
+        return None
+    lo, dash, hi = k.partition("-")
+    counts = [lo, hi] if dash else [k]
+    valid = k == "all" or all(c.isdigit() and int(c) >= 1 for c in counts)
+    if name != "ls_dedicated" or not valid or (dash and int(lo) > int(hi)):
         return (f"--routers {router}: only ls_dedicated takes a count, ls_dedicated:k with "
-                "k >= 1 replicas reserved for LS work")  # fmt: skip
+                "k >= 1 replicas reserved for LS work, a range ls_dedicated:a-b (a <= b), or "
+                "ls_dedicated:all (every split of every count searched)")  # fmt: skip
     return None
+
+
+def expand_routers(routers: list[str], replicas: list[int]) -> tuple[list[str], set[str]]:
+    """The --routers entries with each range of LS reservations (``ls_dedicated:a-b``;
+    ``ls_dedicated:all``: 1 to the most replicas searched less one) as one entry per count,
+    in order, without repeats; and the entries a range made (whose counts too small to
+    serve them are expected, not warned of). ``router_problem`` has checked them."""
+    out, ranged = [], set()
+    for router in routers:
+        name, _, k = router.partition(":")
+        lo, dash, hi = k.partition("-")
+        if k == "all":
+            ks = range(1, max(replicas))
+        elif dash:
+            ks = range(int(lo), int(hi) + 1)
+        else:
+            out.append(router)
+            continue
+        made = [f"{name}:{j}" for j in ks]
+        out += made
+        ranged.update(made)
+    return list(dict.fromkeys(out)), ranged - set(routers)
+
+
+def best_splits(rows: list[dict], target: list[dict]) -> list[str]:
+    """For each policy with two or more ``ls_dedicated:k`` searched: the reservation of the
+    highest capacity on each replica count, and the one that serves the target rate on the
+    fewest replicas (ties: the lower LS TTFT p99 there), as lines to print."""
+    lines = []
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        mine = [
+            r for r in rows if r["policy"] == policy and r["router"].startswith("ls_dedicated:")
+        ]
+        if len({r["router"] for r in mine}) < 2:
+            continue
+        for n in sorted({r["replicas"] for r in mine}):
+            at_n = [r for r in mine if r["replicas"] == n]
+            best = max(at_n, key=lambda r: r["max_rate"])
+            if len(at_n) > 1 and best["max_rate"]:
+                lines.append(f"  {policy} on {n} replicas: {best['router']} "
+                             f"({best['max_rate']:.3f} req/s; of {len(at_n)} splits)")  # fmt: skip
+        served = [t for t in target if t["policy"] == policy and t["replicas"] is not None
+                  and t["router"].startswith("ls_dedicated:")]  # fmt: skip
+        if served:
+            best = min(served, key=lambda t: (t["replicas"], t["ls_ttft_p99_s"] or 0.0))
+            lines.append(f"  {policy} for {best['rate']:g} req/s: {best['router']} on "
+                         f"{best['replicas']} replicas")  # fmt: skip
+    return lines
 
 
 def fewest_replicas(router: str, ls_replicas: int) -> int:
@@ -485,6 +539,7 @@ def main(argv=None) -> int:
     if problems:
         print(f"qllm-plan: error: {problems[0]}", file=sys.stderr)
         return 2
+    args.routers, ranged = expand_routers(args.routers, args.replicas)
     try:
         fps, cfg = fingerprints(args.overrides, args.policies)
         if problem := slo_problem(cfg):  # before any run, not after a step of them
@@ -530,7 +585,7 @@ def main(argv=None) -> int:
     least = {r: fewest_replicas(r, cfg.cluster.ls_replicas) for r in args.routers}
     for r in args.routers:
         below = [n for n in sorted(args.replicas) if n < least[r]]
-        if below:
+        if below and r not in ranged:
             print(f"qllm-plan: warning: --routers {r} needs at least {least[r]} replicas "
                   f"({least[r] - 1} reserved for LS, plus one): not searched on "
                   f"{', '.join(map(str, below))}", file=sys.stderr)  # fmt: skip
@@ -616,6 +671,10 @@ def main(argv=None) -> int:
                       "runs at that rate missed the targets (the response is not monotone in "
                       "the rate there; more --seeds or a longer --horizon-s may settle it): "
                       "more replicas were searched", file=sys.stderr)  # fmt: skip
+    splits = best_splits(rows, [t for t, _ in target])
+    if splits:
+        print("\nbest ls_dedicated split (LS replicas), of those searched:")
+        print("\n".join(splits))
     written = "plan.csv, " + ("target.csv, " if target else "") + "frontier.png, evaluations.csv"
     print(f"\n{len(cache.rows)} runs in {time.perf_counter() - start:.0f} s -> {out}/: {written}")
     return 0

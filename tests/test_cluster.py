@@ -433,6 +433,77 @@ def test_plan_routers_ls_dedicated_k_reserves_k_replicas(tmp_path, capsys):
     assert err[-1] == "qllm-plan: error: no --replicas count is enough for any --routers", err
 
 
+def test_plan_ls_dedicated_ranges_search_every_split_and_name_the_best(tmp_path, capsys):
+    """``ls_dedicated:all`` searches every reservation on every count that can serve it
+    (without warning of the counts too small for some), and the best split printed is the
+    one of plan.csv's highest capacity, and of target.csv's fewest replicas."""
+    import sim.plan as plan
+
+    setup = ("workload=synthetic", "workload.output.tokens=8", "workload.prompt.tokens=32")
+    out = tmp_path / "plan"
+    assert plan.main(["--replicas", "2", "3", "--policies", "fcfs", "--routers",
+                      "ls_dedicated:all", "--rate-lo", "0.5", "--rel-tol", "0.5",
+                      "--horizon-s", "10", "--min-requests", "10", "--jobs", "1", "--goodput",
+                      "0.5", "--keeps-up", "0.5", "--target-rate", "2", "--out", str(out),
+                      *setup]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    assert "needs at least" not in captured.err
+    rows = list(csv.DictReader((out / "plan.csv").open()))
+    searched = {(r["router"], int(r["replicas"])) for r in rows}
+    assert searched == {("ls_dedicated:1", 2), ("ls_dedicated:1", 3), ("ls_dedicated:2", 3)}
+    on3 = max((r for r in rows if r["replicas"] == "3"), key=lambda r: float(r["max_rate"]))
+    assert f"  fcfs on 3 replicas: {on3['router']} (" in captured.out
+    assert "fcfs on 2 replicas" not in captured.out  # one split only there: nothing to choose
+    targets = [t for t in csv.DictReader((out / "target.csv").open()) if t["replicas"]]
+    fewest = min(int(t["replicas"]) for t in targets)
+    line = next(x for x in captured.out.splitlines() if x.startswith("  fcfs for 2 req/s: "))
+    assert line.endswith(f"on {fewest} replicas")
+    assert line.split(": ")[1].split()[0] in {
+        t["router"] for t in targets if int(t["replicas"]) == fewest
+    }
+
+
+def test_expand_routers_and_bad_ranges():
+    import sim.plan as plan
+
+    assert plan.expand_routers(["ls_dedicated:1-2", "ls_dedicated:2", "round_robin"], [4]) == (
+        ["ls_dedicated:1", "ls_dedicated:2", "round_robin"],
+        {"ls_dedicated:1"},
+    )
+    assert plan.expand_routers(["ls_dedicated:all"], [2, 4])[0] == [
+        "ls_dedicated:1", "ls_dedicated:2", "ls_dedicated:3"
+    ]  # fmt: skip
+    for bad in ("ls_dedicated:3-1", "ls_dedicated:0-2", "ls_dedicated:x", "ls_dedicated:1-",
+                "round_robin:all"):  # fmt: skip
+        assert plan.router_problem(bad).startswith(f"--routers {bad}: only ls_dedicated"), bad
+    for good in ("ls_dedicated:1-3", "ls_dedicated:all", "ls_dedicated:2", "ls_dedicated"):
+        assert plan.router_problem(good) is None
+
+
+def test_best_splits_picks_the_highest_capacity_and_the_fewest_replicas():
+    import sim.plan as plan
+
+    def row(router, n, rate):
+        return {"policy": "qllm", "router": router, "replicas": n, "max_rate": rate}
+
+    rows = [row("ls_dedicated:1", 4, 7.0), row("ls_dedicated:2", 4, 8.0),
+            row("ls_dedicated:3", 4, 0.0), row("least_kv", 4, 9.0),
+            row("ls_dedicated:1", 2, 1.0)]  # fmt: skip
+    target = [
+        {"policy": "qllm", "router": "ls_dedicated:1", "replicas": 3, "rate": 5.4,
+         "ls_ttft_p99_s": 0.3},
+        {"policy": "qllm", "router": "ls_dedicated:2", "replicas": 3, "rate": 5.4,
+         "ls_ttft_p99_s": 0.2},
+        {"policy": "qllm", "router": "ls_dedicated:3", "replicas": None, "rate": 5.4,
+         "ls_ttft_p99_s": None},
+    ]  # fmt: skip
+    assert plan.best_splits(rows, target) == [
+        "  qllm on 4 replicas: ls_dedicated:2 (8.000 req/s; of 3 splits)",
+        "  qllm for 5.4 req/s: ls_dedicated:2 on 3 replicas",  # a tie: the lower LS p99
+    ]
+    assert plan.best_splits(rows[:1] + rows[3:], []) == []  # one split: nothing to choose
+
+
 @pytest.mark.parametrize(
     "override,flag",
     [
