@@ -496,7 +496,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--policies", nargs="+", default=["iteration", "qllm"])
     ap.add_argument("--routers", nargs="+", default=["least_outstanding"],
                     help="routers to search; ls_dedicated:k reserves k replicas for LS work "
-                    "(ls_dedicated alone: cluster.ls_replicas)")  # fmt: skip
+                    "(ls_dedicated alone: cluster.ls_replicas), ls_dedicated:a-b each of a to "
+                    "b, ls_dedicated:all every split of every count")  # fmt: skip
     ap.add_argument("--ls-ttft-p99-s", type=float, default=3.0)
     ap.add_argument("--goodput", type=float, default=0.99)
     ap.add_argument("--keeps-up", type=float, default=0.95,
