@@ -13,6 +13,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -42,7 +43,7 @@ class Router:
         return 1
 
 
-def _least(scheds: Sequence[Scheduler], among: range, key: Callable[[Scheduler], float]) -> int:
+def _least(scheds: Sequence[Scheduler], among: range, key: Callable[[Scheduler], Any]) -> int:
     """The replica in ``among`` with the smallest key; ties go to the lowest index."""
     return min(among, key=lambda i: (key(scheds[i]), i))
 
@@ -113,16 +114,20 @@ class LSDedicated(Router):
         return _least(scheds, self.ls if request.cls == LS else self.be, _outstanding)
 
 
+def _ls_queued(s: Scheduler) -> tuple[int, int]:
+    return len(s.waiting[LS]) + len(s.ready[LS]), s.in_system
+
+
 class LSFirst(Router):
-    """LS requests to the replica with the fewest LS requests queued (waiting or ready), BE
-    requests to the one with the fewest outstanding requests."""
+    """LS requests to the replica with the fewest LS requests queued (waiting or ready), ties
+    (often: an LS-first policy keeps its LS queues empty) to the fewest outstanding requests;
+    BE requests to the one with the fewest outstanding requests."""
 
     name = "ls_first"
 
     def choose(self, scheds, request):
         if request.cls == LS:
-            return _least(scheds, range(len(scheds)),
-                          lambda s: len(s.waiting[LS]) + len(s.ready[LS]))  # fmt: skip
+            return _least(scheds, range(len(scheds)), _ls_queued)
         return _least(scheds, range(len(scheds)), _outstanding)
 
 

@@ -101,6 +101,23 @@ def test_least_kv_counts_what_the_memory_model_holds(model, chosen):
     assert ROUTERS["least_kv"](2).choose(scheds, Request(2, "BE", 0.0, 5, 5)) == chosen
 
 
+def test_ls_first_breaks_a_tie_of_empty_ls_queues_by_outstanding_requests():
+    """No replica has LS work queued (an LS-first policy keeps it so): an LS arrival goes to
+    the replica with the fewest requests in the system, not always the first (which once
+    took 58% of LS work on 3 replicas); among unequal LS queues the shortest still wins."""
+    scheds = [Scheduler(QLLM(), 100_000) for _ in range(3)]
+    for i in range(3):
+        scheds[0].arrive(Request(i, "BE", 0.0, 10, 10), 0.0)
+    scheds[1].arrive(Request(3, "BE", 0.0, 10, 10), 0.0)
+    scheds[2].arrive(Request(4, "BE", 0.0, 10, 10), 0.0)
+    scheds[2].arrive(Request(5, "BE", 0.0, 10, 10), 0.0)
+    router = ROUTERS["ls_first"](3)
+    assert router.choose(scheds, Request(9, "LS", 0.0, 5, 5)) == 1
+    scheds[1].arrive(Request(6, "LS", 0.0, 10, 10), 0.0)  # now replica 1 has LS queued
+    assert router.choose(scheds, Request(9, "LS", 0.0, 5, 5)) == 2
+    assert router.choose(scheds, Request(9, "BE", 0.0, 5, 5)) == 1  # BE: fewest outstanding
+
+
 @pytest.mark.parametrize("router", sorted(ROUTERS))
 def test_every_request_completes_on_every_router(router):
     reqs = requests(n=120, rate=200.0)
@@ -273,6 +290,25 @@ def test_a_rate_whose_backlog_grows_is_not_sustained_even_when_every_slo_is_met(
     assert not targets.met({**fine, "ls_ttft_p99_s": "3.5"})
     assert not targets.met({**fine, "goodput": "0.9"})
     assert targets.met({**fine, "ls_ttft_p99_s": ""})  # no LS request: no LS target to miss
+
+
+def test_keeps_up_is_one_at_zero_latency_whatever_the_arrivals_shape():
+    """Completions over arrivals in the same window: a run whose first tenth of arrivals is
+    sparser than the rest (a trace's quiet start) reads exactly 1 when every request finishes
+    on arrival; the run's mean rate as the denominator read 1.36 here."""
+    from sim.plan import keeps_up
+
+    sparse = np.arange(100) * 1.0  # the first 100 arrivals, one a second
+    dense = 100 + np.arange(900) * 0.1  # then ten a second
+    arrivals = np.concatenate([sparse, dense])
+    assert keeps_up(arrivals, arrivals) == 1.0
+    steady = np.sum((arrivals > arrivals[100]) & (arrivals <= arrivals[-1])) / (
+        arrivals[-1] - arrivals[100]
+    )
+    assert steady / ((len(arrivals) - 1) / (arrivals[-1] - arrivals[0])) > 1.3  # the old ratio
+    late = arrivals + np.where(np.arange(1000) % 10 == 0, 1e6, 0.0)  # a tenth never drains
+    assert keeps_up(arrivals, late) == pytest.approx(0.9, abs=0.01)
+    assert keeps_up(np.zeros(50), np.zeros(50)) is None  # no window: all at one instant
 
 
 def test_default_run_length_and_keeps_up_tell_a_backlog_growing_by_a_tenth_from_noise():
