@@ -313,6 +313,37 @@ def test_a_run_on_profile_path_is_labelled_with_that_profile(tmp_path, monkeypat
     )
 
 
+def test_a_profile_whose_directory_and_name_disagree_is_refused_not_swapped(tmp_path):
+    """results/profiles/mine-old holds a profile.json that names itself "mine" (a renamed
+    directory): labelling the run "mine" made it load results/profiles/mine instead, a
+    different profile, without a word. Loaded by name it is refused; by path it runs."""
+    from conftest import linear_profile
+
+    from sim import profiles
+    from sim.config import UserError
+
+    linear_profile().save(tmp_path / "results" / "profiles" / "mine-old")
+    r = qllm_sim("profile.name=mine-old", "workload.num_requests=5", cwd=tmp_path)
+    assert r.returncode != 0
+    assert "profile.name=mine-old: " in r.stderr and "names it 'test-linear'" in r.stderr
+    with pytest.raises(UserError, match="make the two agree"):
+        _load_in(tmp_path, "mine-old")
+    assert profiles.load("x", str(tmp_path / "results" / "profiles" / "mine-old")).name == (
+        "test-linear"
+    )
+
+
+def _load_in(cwd, name):
+    from sim import profiles
+
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return profiles.load(name, None)
+    finally:
+        os.chdir(old)
+
+
 # ------------------------------------------------------------------ Ctrl-C (issue 8.9)
 def test_ctrl_c_in_a_sweep_says_what_finished_and_how_to_resume(tmp_path):
     import re

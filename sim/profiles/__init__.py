@@ -53,6 +53,10 @@ def load(name: str, path: str | None = None) -> Profile:
         profile = Profile.load(folder)
     except ProfileError as e:
         raise UserError(str(e)) from None
+    if not path and profile.name != name:  # a run labelled with it would load the other one
+        raise UserError(f"profile.name={name}: {folder}/profile.json names it {profile.name!r} "
+                        "(a renamed or copied directory): make the two agree, or load it by "
+                        f"profile.path={folder}")  # fmt: skip
     spread = profile.spread()
     if spread is not None and spread.noisy and folder.resolve() not in _warned:
         _warned.add(folder.resolve())
