@@ -67,6 +67,40 @@ def run_settings(cfg) -> dict:
     }
 
 
+# the config keys that run_settings names otherwise, or that do not change results
+NAMED_KEYS = {"policy.name", "workload.name", "profile.name", "workload.rate", "seed",
+              "workload.num_requests", "workload.max_output_tokens", "workload.ls_fraction",
+              "slo.ls_ttft_s", "progress", "resume"}  # fmt: skip
+UNSET = "-"  # an extra setting that a run's config does not have
+
+
+def flat_settings(config: dict, prefix: str = "") -> dict:
+    """A resolved config as ``{"policy.max_batch_size": 32, ...}`` (lists as strings)."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_settings(value, f"{name}."))
+        else:
+            out[name] = str(value) if isinstance(value, list) else value
+    return out
+
+
+def varying_settings(runs: list[tuple[str, dict]]) -> list[str]:
+    """The config keys beyond ``run_settings``'s that take two values or more among the runs
+    of one policy ((policy, flat config) each; a key one run lacks counts as a value): each
+    is a setting of its own in the table (named by its key, ``memory.model``), so that runs
+    that differ in it are not averaged as seeds of one point. A key that differs only between
+    policies (a policy's own options) is told apart by the policy already."""
+    by_policy: dict[str, list[dict]] = {}
+    for policy, flat in runs:
+        by_policy.setdefault(str(policy), []).append(flat)
+    keys = sorted({k for _, flat in runs for k in flat} - NAMED_KEYS)
+    return [k for k in keys
+            if any(len({repr(f.get(k, UNSET)) for f in flats}) > 1
+                   for flats in by_policy.values())]  # fmt: skip
+
+
 def summary_rows(settings: dict, summary: dict) -> list:
     """One row per class (LS, BE, all) of one run: its settings and every metric of its
     summary: ``<metric>_<stat>_s`` for each latency (``ttft_p95_s``, ``itl_max_s``, ...), the
@@ -110,15 +144,27 @@ def load_sweep(sweep_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
             f"{sweep_dir}: no finished runs (a run directory holds .hydra/config.yaml and "
             "summary.json)"
         )
-    rows, frames = [], []
+    loaded = []
     for run in runs:
         try:
             summary = json.loads((run / "summary.json").read_text())
             # the config stored with the results (qllm-sim) is the one that produced them
             config = summary.get("config") or OmegaConf.load(run / ".hydra" / "config.yaml")
+            if not isinstance(config, dict):
+                config = OmegaConf.to_container(config, resolve=True, enum_to_str=True)
             settings = run_settings(config)
         except Exception as e:  # noqa: BLE001  (any unreadable run is named, not a traceback)
             raise ReportError(f"{run}: unreadable run ({type(e).__name__}: {e})") from None
+        loaded.append((run, summary, settings, flat_settings(config)))
+    extra = varying_settings([(s["policy"], flat) for _, _, s, flat in loaded])
+    for key in extra:  # numbers stay numbers (sorted as such) unless a run lacks the key
+        values = [flat.get(key, UNSET) for *_, flat in loaded]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            for *_, flat in loaded:
+                flat[key] = str(flat.get(key, UNSET))
+    rows, frames = [], []
+    for run, summary, settings, flat in loaded:
+        settings.update({k: flat.get(k, UNSET) for k in extra})
         settings["run_dir"] = str(run.relative_to(sweep_dir))
         if (run / "requests.parquet").is_file():
             requests = pd.read_parquet(run / "requests.parquet", columns=["cls", "ttft_s"])
@@ -141,12 +187,17 @@ def mixed_inputs(sweep_dir: str | Path) -> list[str]:
 
     code: set[str] = set()
     profile: dict[str, set] = {}
+    workload: dict[str, set] = {}  # a workload file (its path), or a kind's installed data
     for run in find_runs(Path(sweep_dir)):
         summary = json.loads((run / "summary.json").read_text())
         inputs = summary.get("inputs") or {}
-        name = (summary.get("config") or {}).get("profile", {}).get("name")
+        config = summary.get("config") or {}
+        name = config.get("profile", {}).get("name")
         code.add(inputs.get("code") or "unknown")
         profile.setdefault(name, set()).add(inputs.get("profile") or "unknown")
+        w = config.get("workload", {})
+        source = w.get("path") or w.get("kind") or w.get("name")
+        workload.setdefault(str(source), set()).add((inputs.get("workload"), inputs.get("data")))
     out = []
     if len(code) > 1:
         out.append(f"warning: these runs were made by {len(code)} versions of the simulator's "
@@ -157,12 +208,17 @@ def mixed_inputs(sweep_dir: str | Path) -> list[str]:
             out.append(f"warning: profile {name}: these runs read {len(digests)} different "
                        "sets of its files (summary.json's inputs.profile): a profile measured "
                        "again under the same name")  # fmt: skip
+    for source, digests in sorted(workload.items()):
+        if len(digests) > 1:
+            out.append(f"warning: workload {source}: these runs read {len(digests)} different "
+                       "versions of it (summary.json's inputs.workload and inputs.data: an "
+                       "edited file, or other versions of the data packages)")  # fmt: skip
     return out
 
 
 def tidy(table: pd.DataFrame) -> pd.DataFrame:
     """Settings first, then metrics; rows sorted by policy (in POLICY_ORDER), rate, seed, class."""
-    setting_cols = [c for c in CONFIG_COLUMNS if c in table] + ["cls"]
+    setting_cols = [c for c in CONFIG_COLUMNS if c in table] + extra_columns(table) + ["cls"]
     first = setting_cols + [c for c in ("run_dir",) if c in table]
     table = table[first + [c for c in table.columns if c not in first]]
     order = {p: i for i, p in enumerate(POLICY_ORDER)}
@@ -180,14 +236,22 @@ def tidy(table: pd.DataFrame) -> pd.DataFrame:
 
 def series_columns(table: pd.DataFrame) -> list[str]:
     """The settings that tell the plotted lines apart: the policy, and any other setting
-    (but rate and seed) that takes more than one value in the table."""
+    (but rate and seed) that takes more than one value in the table: those of
+    CONFIG_COLUMNS, and the config keys (``memory.model``) that ``load_sweep`` added because
+    they vary."""
     cols = ["policy"]
-    for c in CONFIG_COLUMNS:
+    for c in [*CONFIG_COLUMNS, *extra_columns(table)]:
         if c in ("policy", "rate", "seed") or c not in table:
             continue
         if table[c].astype(str).nunique() > 1:
             cols.append(c)
     return cols
+
+
+def extra_columns(table: pd.DataFrame) -> list[str]:
+    """The config keys ``load_sweep`` added as settings (their names hold a dot; metrics'
+    do not)."""
+    return [c for c in table.columns if "." in c]
 
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1..30); 1.96 beyond.

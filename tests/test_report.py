@@ -65,6 +65,36 @@ def test_sweep_runs_every_combination(sweep):
     assert len(list(sweep.glob("*/summary.json"))) == len(POLICIES) * len(RATES) * len(SEEDS)
 
 
+def test_a_sweep_over_policies_adds_no_setting_of_their_own_options(sweep):
+    table, _ = load_sweep(sweep)
+    assert [c for c in table.columns if "." in c] == []  # iteration's and qllm's keys differ
+
+
+def test_report_keeps_runs_of_other_settings_apart_instead_of_averaging_them(tmp_path, capsys):
+    """A sweep over policy.max_batch_size and memory.model: four configs at one rate and seed.
+    The report once averaged them as four seeds of one point (LS TTFT 16.4 s, between
+    batch 2's 32 s and batch 32's 0.6 s)."""
+    sweep_dir = tmp_path / "sweep"
+    r = qllm_sim("-m", "workload=synthetic", "workload.num_requests=20", "workload.rate=2",
+                 "policy.max_batch_size=2,32", "memory.model=reserve,paged",
+                 f"hydra.sweep.dir={sweep_dir}")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    table, _ = load_sweep(sweep_dir)
+    assert {"policy.max_batch_size", "memory.model"} <= set(table.columns)
+    assert table["policy.max_batch_size"].dtype.kind == "i"  # numbers stay numbers
+    cli([str(sweep_dir), "--out", str(tmp_path / "report")])
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^\s*qllm\s", out, flags=re.M)) == 4, out  # one line per config
+    ls = table[table["cls"] == "LS"]
+    for _, row in ls.iterrows():  # each line's mean is its own run's figure
+        line = next(
+            x
+            for x in out.splitlines()
+            if re.match(rf"\s*qllm\s+{row['memory.model']}\s+{row['policy.max_batch_size']}\s", x)
+        )
+        assert f"{row['ttft_mean_s']:.3f}" in line, (line, row["ttft_mean_s"])
+
+
 def test_report_writes_a_tidy_table_and_the_figures(sweep, tmp_path, capsys):
     cli([str(sweep), "--out", str(tmp_path)])
     table = pd.read_csv(tmp_path / "table.csv")
@@ -127,16 +157,19 @@ def test_report_warns_of_runs_made_by_other_code_or_profile_files(sweep, tmp_pat
     copy = tmp_path / "sweep"
     shutil.copytree(sweep, copy)
     assert mixed_inputs(copy) == []  # one sweep of one code and profile
-    first, second = sorted(copy.glob("*/summary.json"))[:2]
-    for path, key in ((first, "code"), (second, "profile")):
+    first, second, third = sorted(copy.glob("*/summary.json"))[:3]
+    for path, key in ((first, "code"), (second, "profile"), (third, "workload")):
         summary = json.loads(path.read_text())
-        summary["inputs"][key] = "0" * 16  # as a run of other code, or a re-measured profile
+        # as a run of other code, a re-measured profile, an edited workload file
+        summary["inputs"][key] = "0" * 16
         path.write_text(json.dumps(summary))
     cli([str(copy), "--out", str(tmp_path / "report")])
     err = capsys.readouterr().err
     assert "made by 2 versions of the simulator's code" in err
     name = json.loads(second.read_text())["config"]["profile"]["name"]
     assert f"warning: profile {name}: these runs read 2 different sets of its files" in err
+    kind = json.loads(third.read_text())["config"]["workload"]["kind"]
+    assert f"warning: workload {kind}: these runs read 2 different versions of it" in err
 
 
 @pytest.mark.parametrize("make", [lambda p: p / "missing", lambda p: p])
