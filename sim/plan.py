@@ -567,6 +567,13 @@ def main(argv=None) -> int:
         fps, cfg = fingerprints(args.overrides, args.policies)
         if problem := slo_problem(cfg):  # before any run, not after a step of them
             raise UserError(problem)
+        if cfg.workload.get("peak_to_trough") is not None:
+            raise UserError(
+                f"workload.peak_to_trough={cfg.workload.peak_to_trough}: a daily curve keeps "
+                "the mean rate over whole periods only, and the search's runs span what "
+                "their rates make them: a capacity would be reported at a rate its runs did "
+                "not have; search the rate of the hour you plan for, without the curve"
+            )
         whole = trace_requests(cfg.workload)
     except UserError as e:
         print(f"qllm-plan: error: {e}", file=sys.stderr)

@@ -353,6 +353,53 @@ def test_diurnal_rate_curve_has_the_asked_peak_to_trough_and_keeps_the_mean():
     assert abs(len(day[day < 86_400]) / 86_400 - 2.0) < 0.05  # the same mean rate over a day
 
 
+def test_a_run_shorter_than_the_daily_curve_says_its_rate_is_not_the_asked_one(capsys):
+    """A daily curve keeps the mean over whole periods: 1,000 arrivals at 5 req/s span 0.5%
+    of a day, in its trough, and come at about half the rate: said; a whole day is not."""
+    from sim.workloads import build_workload
+
+    cfg = app_cfg("workload=synthetic", "workload.rate=5", "workload.num_requests=1000",
+                  "workload.peak_to_trough=3")  # fmt: skip
+    w = build_workload(cfg.workload, 0)
+    rate = (len(w) - 1) / w[-1].arrival_s
+    assert rate < 3.0  # the trough: what the warning is for
+    err = capsys.readouterr().err
+    assert "warning: workload.peak_to_trough=3: the run spans 0.00" in err
+    assert f"({rate:.3g} req/s)" in err
+    day = app_cfg("workload=synthetic", "workload.rate=0.5", "workload.num_requests=43200",
+                  "workload.peak_to_trough=3")  # fmt: skip
+    build_workload(day.workload, 0)
+    assert "peak_to_trough" not in capsys.readouterr().err
+
+
+def test_plan_refuses_a_daily_curve(tmp_path, capsys):
+    import sim.plan as plan
+
+    code = plan.main(["--replicas", "1", "--out", str(tmp_path), "workload=synthetic",
+                      "workload.peak_to_trough=3"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("qllm-plan: error: workload.peak_to_trough=3.0: a daily curve"), err
+    assert not (tmp_path / "evaluations.csv").exists()
+
+
+def test_a_rate_for_a_trace_window_at_one_instant_is_refused(tmp_path):
+    from sim.config import UserError
+    from sim.workloads import build_workload
+
+    path = tmp_path / "burst.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n"
+                    + "".join(f"5.0,{10 + i},{4 + i}\n" for i in range(3))
+                    + "9.0,10,4\n")  # fmt: skip
+    cfg = app_cfg("workload=trace", f"workload.path={path}", "workload.rate=2",
+                  "workload.num_requests=3")  # fmt: skip
+    with pytest.raises(UserError, match="all arrive at one instant"):
+        build_workload(cfg.workload, 0)
+    cfg = app_cfg("workload=trace", f"workload.path={path}", "workload.rate=2",
+                  "workload.num_requests=4")  # fmt: skip
+    assert len(build_workload(cfg.workload, 0)) == 4  # a span: rescaled
+
+
 def test_plan_runs_its_search_on_a_local_ray_with_the_same_result(tmp_path):
     """qllm-plan --executor ray (a throwaway local Ray instance, about 20 s to start) finds
     the capacities the process pool finds: the runs are deterministic."""

@@ -8,6 +8,7 @@ the arrival process, leaves the others as they were.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,11 @@ from sim.workloads import arrivals, humaneval, sharegpt, synthetic, trace
 from sim.workloads.cache import Pool
 
 __all__ = ["Workload", "build_workload", "stream_workload"]
+
+
+# a daily curve over a run that spans no whole number of periods changes its mean rate: by
+# more than this share, a warning
+DIURNAL_RATE_TOLERANCE = 0.02
 
 
 def build_workload(cfg: Any, seed: int) -> list[Request]:
@@ -73,12 +79,23 @@ def stream_workload(cfg: Any, seed: int) -> Workload:
         jobs.output = np.minimum(jobs.output, cfg.max_output_tokens)
     if arrival is Arrival.trace:
         times = arrivals.replay(timestamps, n, cfg.rate)
+        if cfg.rate is not None and n > 1 and times[-1] <= 0:
+            raise UserError(f"workload.rate={cfg.rate:g}: the {n} requests replayed from the "
+                            "trace all arrive at one instant, which no rescaling gives a rate; "
+                            "set workload.rate=null, or replay more of the trace")  # fmt: skip
     elif arrival is Arrival.gamma:
         times = arrivals.gamma(n, cfg.rate, cfg.cv, arrival_rng)
     else:
         times = arrivals.poisson(n, cfg.rate, arrival_rng)
     if getattr(cfg, "peak_to_trough", None) is not None:
-        times = arrivals.diurnal(times, cfg.peak_to_trough, cfg.period_s)
+        flat, times = times, arrivals.diurnal(times, cfg.peak_to_trough, cfg.period_s)
+        if n > 1 and times[-1] > 0 and abs(flat[-1] / times[-1] - 1) > DIURNAL_RATE_TOLERANCE:
+            print(f"warning: workload.peak_to_trough={cfg.peak_to_trough:g}: the run spans "
+                  f"{times[-1] / cfg.period_s:.3g} of a period (workload.period_s="
+                  f"{cfg.period_s:g}), and the curve keeps the mean rate over whole periods "
+                  f"only: its arrivals come at {flat[-1] / times[-1]:.2f}x the rate they "
+                  f"would without it ({(n - 1) / times[-1]:.3g} req/s)",
+                  file=sys.stderr)  # fmt: skip
 
     # Every arrival process yields non-decreasing times, so index order is arrival order.
     return Workload(times, is_ls, jobs)
