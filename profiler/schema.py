@@ -325,6 +325,19 @@ class Profile:
                 raise ProfileError(f"{where}: {p.op} at {p.key()} has median_ms={p.median_ms}")
             if not (math.isfinite(p.busy_ms) and p.busy_ms >= 0):
                 raise ProfileError(f"{where}: {p.op} at {p.key()} has busy_ms={p.busy_ms}")
+        seen: set[tuple] = set()
+        for p in self.points:  # the latency model keeps one point per key: the last
+            keys = OPS[p.op]
+            stray = [c for c in ("batch_size", "num_tokens", "kv_tokens", "idle_ms", "busy_ms")
+                     if c not in keys and getattr(p, c)]  # fmt: skip
+            if stray:
+                raise ProfileError(f"{where}: {p.op} is keyed by {', '.join(keys)} only, but "
+                                   f"a point sets {stray[0]}={getattr(p, stray[0])} (a "
+                                   "mis-keyed row)")  # fmt: skip
+            if (p.op, p.key()) in seen:
+                raise ProfileError(f"{where}: two points of {p.label()} (a duplicated row): "
+                                   "one would silently replace the other")  # fmt: skip
+            seen.add((p.op, p.key()))
         missing = set(OPS) - OPTIONAL_OPS - {p.op for p in self.points}
         if missing:
             raise ProfileError(f"{where}: no points for ops {sorted(missing)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -515,6 +516,21 @@ def test_a_profiles_interference_round_trips_and_old_files_read_none(tmp_path):
         replace(base, interference=0.0)
 
 
+@pytest.mark.parametrize("row, message", [
+    ("expert,0,1,0,9.0,9.0,0,0", "two points of expert(num_tokens=1)"),
+    ("expert,4,1,0,9.0,9.0,0,0", "expert is keyed by num_tokens only, but a point sets "
+                                 "batch_size=4"),
+])  # fmt: skip
+def test_a_duplicated_or_mis_keyed_ops_row_is_refused(tmp_path, row, message):
+    """The latency model keeps the last point of a key: an appended copy of the expert rows
+    at 10x their cost loaded without a word and tripled LS TTFT."""
+    saved = profiles.load("a100-mixtral-nf4-hf").save(tmp_path / "p")
+    with (saved / "ops.csv").open("a") as f:
+        f.write(row + "\n")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Profile.load(saved)
+
+
 def test_a_saved_profile_is_version_3_and_versions_1_and_2_still_load(tmp_path):
     """A saved profile is version 3 and round-trips its wake_up points, busy times included;
     a version-2 file (no busy_ms column) and a version-1 file (no idle_ms either) read those
@@ -535,11 +551,13 @@ def test_a_saved_profile_is_version_3_and_versions_1_and_2_still_load(tmp_path):
         shutil.copytree(saved, old)
         (old / "profile.json").write_text(json.dumps({**meta, "schema_version": version}))
         rows = [line for line in lines if "2.25" not in line]  # a point only version 3 has
+        if version == 1:  # no wake_up either: keyed by idle_ms, its points would be one
+            rows = [line for line in rows if not line.startswith("wake_up,")]
         (old / "ops.csv").write_text("\n".join(",".join(r.split(",")[:keep]) for r in rows))
         points = Profile.load(old).points
         assert all(p.busy_ms == 0 for p in points)
         assert [p.idle_ms for p in points if p.op == "wake_up"] == ([0, 200] if version == 2
-                                                                    else [0, 0])  # fmt: skip
+                                                                    else [])  # fmt: skip
         assert [p for p in points if p.op != "wake_up"] == base.points
     (saved / "ops.csv").write_text("op,median_ms\n")
     with pytest.raises(ValueError, match="header must be"):
