@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sim import profiles, provenance
 from sim.cli import CONF_DIR, FINISHED, App, discard_unfinished, fail, lock, run
-from sim.config import SimConfig, UserError, validate
+from sim.config import SimConfig, UserError, ignored_keys, validate
 from sim.metrics import write_outputs
 from sim.run import build_policy, simulate
 
@@ -36,9 +36,17 @@ NOT_RESULTS = ("progress", "resume")
 ConfigStore.instance().store(name="base_config", node=SimConfig)
 
 
+_ignored_warned: set[str] = set()  # once per invocation, not once per run of a sweep
+
+
 def check(cfg: DictConfig) -> None:
-    """What can be checked before Hydra makes a run directory."""
+    """What can be checked before Hydra makes a run directory; and a warning for each key set
+    where nothing reads it."""
     validate(cfg)
+    for line in ignored_keys(cfg):
+        if line not in _ignored_warned:
+            _ignored_warned.add(line)
+            print(f"warning: {line}", file=sys.stderr)
     build_policy(cfg.policy)
     profiles.load(cfg.profile.name, cfg.profile.path)
 

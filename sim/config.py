@@ -8,7 +8,7 @@ with one line naming the key and what is allowed.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from omegaconf import MISSING
@@ -134,6 +134,67 @@ class SimConfig:
     resume: bool = True  # skip a run whose directory already holds a summary.json
 
 
+# (group, key, the setting that makes it count, whether it does): a key set away from its
+# default where nothing reads it is warned of (not refused: a sweep over the setting that
+# decides, e.g. workload.arrival=poisson,gamma with workload.cv=2, sets it for some runs only)
+def _kind(cfg: Any) -> str:
+    kind = cfg.workload.kind
+    return kind.value if isinstance(kind, enum.Enum) else str(kind)
+
+
+def _arrival(cfg: Any) -> str:
+    arrival = cfg.workload.arrival
+    return arrival.value if isinstance(arrival, enum.Enum) else str(arrival)
+
+
+def _routing(cfg: Any) -> str:
+    routing = cfg.profile.routing
+    return routing.value if isinstance(routing, enum.Enum) else str(routing)
+
+
+IGNORED_UNLESS = [
+    ("workload", "path", "workload.kind=sharegpt, card or trace",
+     lambda c: _kind(c) in ("sharegpt", "card", "trace")),
+    *[("workload", key, "workload.kind=sharegpt or card (its ShareGPT filter)",
+       lambda c: _kind(c) in ("sharegpt", "card"))
+      for key in ("min_tokens", "max_prompt_tokens", "max_total_tokens")],
+    ("workload", "cv", "workload.arrival=gamma", lambda c: _arrival(c) == "gamma"),
+    ("workload", "period_s", "workload.peak_to_trough",
+     lambda c: c.workload.get("peak_to_trough") is not None),
+    *[("workload", key, "workload.kind=synthetic", lambda c: _kind(c) == "synthetic")
+      for key in ("prompt", "output")],
+    ("profile", "routing_skew", "profile.routing=zipf", lambda c: _routing(c) == "zipf"),
+    ("cluster", "ls_replicas", "cluster.router=ls_dedicated",
+     lambda c: c.cluster.router == "ls_dedicated"),
+]  # fmt: skip
+DEFAULTS = {"workload": WorkloadConfig(), "profile": ProfileConfig(), "cluster": ClusterConfig()}
+
+
+def ignored_keys(cfg: Any) -> list[str]:
+    """The keys set away from their defaults where nothing reads them (a workload kind, an
+    arrival process, a routing model or a router that ignores them), each as one line naming
+    what would read it."""
+    from omegaconf import OmegaConf
+
+    out = []
+    for group, key, unless, counts in IGNORED_UNLESS:
+        node = getattr(cfg, group, None)
+        if node is None or key not in node:
+            continue
+        value, default = node[key], getattr(DEFAULTS[group], key)
+        if OmegaConf.is_config(value):  # a length distribution: compared as plain values
+            value = OmegaConf.to_container(value, resolve=True, enum_to_str=True)
+            default = {k: getattr(v, "value", v) for k, v in asdict(default).items()}
+        if value == default or counts(cfg):
+            continue
+        if isinstance(value, dict):  # name the sub-keys set
+            out += [f"{group}.{key}.{k}={v} is ignored without {unless}"
+                    for k, v in value.items() if v != default.get(k)]  # fmt: skip
+        else:
+            out.append(f"{group}.{key}={value} is ignored without {unless}")
+    return out
+
+
 def validate(cfg: Any) -> None:
     """Range and cross-field checks; raises UserError naming the key."""
     w, p, pol, slo = cfg.workload, cfg.profile, cfg.policy, cfg.slo
@@ -164,6 +225,8 @@ def validate(cfg: Any) -> None:
         d = w[name]
         need(1 <= d.min <= d.max, f"workload.{name}.min", d.min, f"must be in [1, {name}.max]")
         need(d.tokens >= 1, f"workload.{name}.tokens", d.tokens, "must be >= 1")
+        need(d.min <= d.tokens <= d.max, f"workload.{name}.tokens", d.tokens,
+             f"must be in [{name}.min, {name}.max] = [{d.min}, {d.max}]")  # fmt: skip
         need(d.sigma > 0, f"workload.{name}.sigma", d.sigma, "must be > 0")
     if p.kv_capacity_tokens is not None:
         need(

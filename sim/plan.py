@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sim.config import UserError
+from sim.config import UserError, ignored_keys
 
 FIELDS = ["policy", "router", "replicas", "rate", "seed", "num_requests", "setup",
           "ls_ttft_p99_s", "goodput", "keeps_up", "jobs_per_s", "be_ttft_p99_s",
@@ -567,6 +567,9 @@ def main(argv=None) -> int:
         fps, cfg = fingerprints(args.overrides, args.policies)
         if problem := slo_problem(cfg):  # before any run, not after a step of them
             raise UserError(problem)
+        for line in ignored_keys(cfg):  # a router's keys: each run's router decides
+            if not line.startswith("cluster."):
+                print(f"qllm-plan: warning: {line}", file=sys.stderr)
         if cfg.workload.get("peak_to_trough") is not None:
             raise UserError(
                 f"workload.peak_to_trough={cfg.workload.peak_to_trough}: a daily curve keeps "

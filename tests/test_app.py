@@ -344,6 +344,63 @@ def _load_in(cwd, name):
         os.chdir(old)
 
 
+@pytest.mark.parametrize("overrides, said", [
+    (["workload=synthetic", "workload.path=/nonexistent/x.jsonl"],
+     ["workload.path=/nonexistent/x.jsonl is ignored without workload.kind=sharegpt, card or "
+      "trace"]),
+    (["workload=trace", "workload.path=data/traces/splitwise_conv.csv",
+      "workload.max_prompt_tokens=64"],
+     ["workload.max_prompt_tokens=64 is ignored without workload.kind=sharegpt or card (its "
+      "ShareGPT filter)"]),
+    (["workload.cv=4"], ["workload.cv=4.0 is ignored without workload.arrival=gamma"]),
+    (["workload.period_s=100"],
+     ["workload.period_s=100.0 is ignored without workload.peak_to_trough"]),
+    (["workload.prompt.dist=lognormal", "workload.prompt.tokens=64"],
+     ["workload.prompt.tokens=64 is ignored without workload.kind=synthetic",
+      "workload.prompt.dist=lognormal is ignored without workload.kind=synthetic"]),
+    (["profile.routing_skew=2"],
+     ["profile.routing_skew=2.0 is ignored without profile.routing=zipf"]),
+    (["cluster.ls_replicas=2"],
+     ["cluster.ls_replicas=2 is ignored without cluster.router=ls_dedicated"]),
+    # where they count, or at their defaults: nothing
+    (["workload.arrival=gamma", "workload.cv=4"], []),
+    (["workload=synthetic", "workload.prompt.tokens=64"], []),
+    (["cluster.replicas=3", "cluster.router=ls_dedicated", "cluster.ls_replicas=2"], []),
+    (["profile.routing=zipf", "profile.routing_skew=2"], []),
+    (["workload.peak_to_trough=2", "workload.period_s=100"], []),
+])  # fmt: skip
+def test_a_key_set_where_nothing_reads_it_is_named(overrides, said):
+    from hydra import compose, initialize_config_dir
+
+    from sim.app import CONF_DIR
+    from sim.config import ignored_keys
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    assert sorted(ignored_keys(cfg)) == sorted(said)
+
+
+@pytest.mark.parametrize("workload", ["paper", "sharegpt", "humaneval", "card", "synthetic",
+                                      "trace"])  # fmt: skip
+def test_no_preset_workload_sets_a_key_it_ignores(workload):
+    from hydra import compose, initialize_config_dir
+
+    from sim.app import CONF_DIR
+    from sim.config import ignored_keys
+
+    extra = ["workload.path=x.csv"] if workload == "trace" else []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"workload={workload}", *extra])
+    assert ignored_keys(cfg) == []
+
+
+def test_qllm_sim_warns_once_of_an_ignored_key_and_runs(tmp_path):
+    r = qllm_sim("-m", "seed=0,1", "workload.cv=4", "workload.num_requests=5",
+                 f"hydra.sweep.dir={tmp_path / 's'}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("warning: workload.cv=4.0 is ignored without workload.arrival=gamma") == 1
+
+
 # ------------------------------------------------------------------ Ctrl-C (issue 8.9)
 def test_ctrl_c_in_a_sweep_says_what_finished_and_how_to_resume(tmp_path):
     import re
