@@ -556,6 +556,12 @@ def main(argv=None) -> int:
     problems += [f"--replicas {n}: must be >= 1" for n in args.replicas if n < 1]
     if not 0 < args.goodput <= 1:
         problems.append(f"--goodput {args.goodput}: must be in (0, 1]")
+    if not 0 < args.keeps_up <= 1:  # 95 for 95% would fail every rate without a word
+        problems.append(f"--keeps-up {args.keeps_up}: must be in (0, 1], a share of arrivals")
+    if args.target_rate is not None and args.target_rate <= 0:
+        problems.append(f"--target-rate {args.target_rate}: must be > 0 (req/s)")
+    if args.ls_ttft_p99_s <= 0:
+        problems.append(f"--ls-ttft-p99-s {args.ls_ttft_p99_s}: must be > 0 seconds")
     if args.rate_lo <= 0 or args.rel_tol <= 0 or (args.horizon_s is not None
                                                    and args.horizon_s <= 0):  # fmt: skip
         problems.append("--rate-lo, --rel-tol and --horizon-s must be > 0")

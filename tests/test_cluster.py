@@ -546,6 +546,24 @@ def test_plan_ls_dedicated_ranges_search_every_split_and_name_the_best(tmp_path,
     }
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--keeps-up", "95"], "--keeps-up 95.0: must be in (0, 1], a share of arrivals"),
+    (["--target-rate", "0"], "--target-rate 0.0: must be > 0 (req/s)"),
+    (["--target-rate", "-2"], "--target-rate -2.0: must be > 0 (req/s)"),
+    (["--goodput", "0"], "--goodput 0.0: must be in (0, 1]"),
+    (["--ls-ttft-p99-s", "0"], "--ls-ttft-p99-s 0.0: must be > 0 seconds"),
+    (["--replicas", "0"], "--replicas 0: must be >= 1"),
+])  # fmt: skip
+def test_plan_refuses_a_bad_flag_before_any_run(tmp_path, capsys, flags, said):
+    """--keeps-up 95 (meant as 95%) failed every rate without a word; --target-rate 0 was
+    ignored and a negative one failed after the whole search."""
+    import sim.plan as plan
+
+    assert plan.main([*flags, "--out", str(tmp_path), "workload=synthetic"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"qllm-plan: error: {said}"]
+    assert not (tmp_path / "evaluations.csv").exists()
+
+
 def test_expand_routers_and_bad_ranges():
     import sim.plan as plan
 
