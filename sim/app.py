@@ -148,10 +148,25 @@ def run_job(cfg: DictConfig, run_dir: Path, config: dict, inputs: dict) -> float
         f"ls_slo={_fmt(ls['slo_attainment'])} jobs_per_s={jobs_per_s:.3f} -> {run_dir}",
         flush=True,  # joblib workers share the terminal: print each line whole, now
     )
-    warning = overload(out.requests)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
+    for warning in [overload(out.requests), *few_samples(out.summary)]:
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     return ls["ttft_s"]["mean"]
+
+
+FEW_SAMPLES = 100  # below: a class's p99 is, to within one sample, its largest value
+
+
+def few_samples(summary: dict) -> list[str]:
+    """A warning for each class whose percentiles rest on fewer than FEW_SAMPLES requests."""
+    out = []
+    for cls in ("LS", "BE"):
+        n = summary["classes"][cls]["count"]
+        if 0 < n < FEW_SAMPLES:
+            out.append(f"warning: {cls} has {n} requests in this run: its p99 rests on fewer "
+                       f"than {FEW_SAMPLES} samples (it is about their largest); more "
+                       "workload.num_requests make it a percentile")  # fmt: skip
+    return out
 
 
 def _fmt(x) -> str:

@@ -401,6 +401,21 @@ def test_qllm_sim_warns_once_of_an_ignored_key_and_runs(tmp_path):
     assert r.stderr.count("warning: workload.cv=4.0 is ignored without workload.arrival=gamma") == 1
 
 
+def test_a_class_of_few_requests_is_warned_that_its_p99_is_about_its_max(tmp_path):
+    from sim.app import few_samples
+
+    classes = {"LS": {"count": 4}, "BE": {"count": 100}}
+    assert few_samples({"classes": classes}) == [
+        "warning: LS has 4 requests in this run: its p99 rests on fewer than 100 samples (it is "
+        "about their largest); more workload.num_requests make it a percentile"
+    ]
+    assert few_samples({"classes": {"LS": {"count": 0}, "BE": {"count": 500}}}) == []
+    r = qllm_sim("workload.num_requests=20", "workload.rate=0.5",
+                 f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "warning: LS has " in r.stderr and "warning: BE has " in r.stderr
+
+
 # ------------------------------------------------------------------ Ctrl-C (issue 8.9)
 def test_ctrl_c_in_a_sweep_says_what_finished_and_how_to_resume(tmp_path):
     import re
