@@ -21,7 +21,7 @@ from pathlib import Path
 from profiler.schema import OPS, Profile
 from sim import profiles
 from sim.config import UserError
-from sim.latency import Curve1D, Curve2D
+from sim.latency import Curve1D, Curve2D, WakeUp
 
 PROG = "sim.compare_profiles"
 
@@ -30,18 +30,41 @@ def load(spec: str) -> Profile:
     return profiles.load("", spec) if Path(spec).is_dir() else profiles.load(spec)
 
 
-def _predictor(points: list, keys: tuple[str, ...]):
-    """Seconds at a point's coordinates, interpolated in ``points`` as the simulator does."""
-    if len(keys) == 2:
-        curve = Curve2D(points)
-        return lambda p: curve(p.batch_size, p.kv_tokens)
-    line = Curve1D(points, keys[0])
-    return lambda p: line.scalar(getattr(p, keys[0]))
+# two-key ops as the latency model reads them: (key, row_key) of their Curve2D
+CURVES_2D = {
+    "attn_decode": ("kv_tokens", "batch_size"),
+    "attn_decode_bind": ("kv_tokens", "batch_size"),
+    "attn_prefill_batch": ("num_tokens", "batch_size"),
+    "attn_chunk": ("num_tokens", "kv_tokens"),
+}
+
+
+def _predictor(points: list, op: str):
+    """Seconds at a point's coordinates, interpolated in ``points`` as the simulator does
+    (``sim.latency.LatencyModel``: each op on its own axes)."""
+    if op == "wake_up":
+        wake = WakeUp(points)
+        return lambda p: wake.left_ms(p.idle_ms, p.busy_ms) / 1e3
+    if op in CURVES_2D:
+        key, row_key = CURVES_2D[op]
+        curve = Curve2D(points, key, row_key=row_key)
+        return lambda p: curve(getattr(p, row_key), getattr(p, key))
+    (key,) = OPS[op]
+    line = Curve1D(points, key)
+    return lambda p: line.scalar(getattr(p, key))
+
+
+def _beyond(p, theirs: list, keys: tuple[str, ...]) -> bool:
+    """Whether a point lies outside the reference's range on any key (extrapolated, or held
+    at the grid's first value, rather than interpolated)."""
+    return any(not min(getattr(q, k) for q in theirs) <= getattr(p, k)
+               <= max(getattr(q, k) for q in theirs) for k in keys)  # fmt: skip
 
 
 def compare(measured: Profile, reference: Profile) -> dict:
     """Per op: the measured points with the reference's prediction and its error, plus a
-    summary. Ops missing from either profile are listed under ``missing``."""
+    summary. Ops missing from either profile are listed under ``missing``; a point outside
+    the reference's grid is marked ``beyond`` (its prediction is an extrapolation)."""
     ops, missing = {}, []
     for op, keys in OPS.items():
         mine = [p for p in measured.points if p.op == op and p.median_ms > 0]
@@ -49,17 +72,19 @@ def compare(measured: Profile, reference: Profile) -> dict:
         if not mine or not theirs:
             missing.append(op)
             continue
-        predict = _predictor(theirs, keys)
+        predict = _predictor(theirs, op)
         points = []
         for p in mine:
             ref_ms = 1e3 * predict(p)
             points.append({**{k: getattr(p, k) for k in keys}, "measured_ms": p.median_ms,
                            "reference_ms": ref_ms,
-                           "error_pct": 100 * (ref_ms - p.median_ms) / p.median_ms})  # fmt: skip
+                           "error_pct": 100 * (ref_ms - p.median_ms) / p.median_ms,
+                           "beyond": _beyond(p, theirs, keys)})  # fmt: skip
         errors = [q["error_pct"] for q in points]
         ops[op] = {"points": len(points), "median_error_pct": statistics.median(errors),
                    "mean_error_pct": statistics.fmean(errors),
-                   "max_abs_error_pct": max(abs(e) for e in errors), "detail": points}  # fmt: skip
+                   "max_abs_error_pct": max(abs(e) for e in errors),
+                   "beyond": sum(q["beyond"] for q in points), "detail": points}  # fmt: skip
     same_shape = measured.model == reference.model
     return {"measured": measured.name, "reference": reference.name, "same_shape": same_shape,
             "ops": ops, "missing": missing}  # fmt: skip
@@ -73,6 +98,11 @@ def table(result: dict) -> str:
                      f"{r['mean_error_pct']:>9.1f} {r['max_abs_error_pct']:>9.1f}")  # fmt: skip
     if result["missing"]:
         lines.append(f"not in both: {', '.join(result['missing'])}")
+    beyond = [f"{op} ({r['beyond']} of {r['points']})" for op, r in result["ops"].items()
+              if r["beyond"]]  # fmt: skip
+    if beyond:
+        lines.append("warning: points outside the reference's grid, their reference figures "
+                     f"extrapolated: {', '.join(beyond)}")  # fmt: skip
     if not result["same_shape"]:
         lines.append("warning: the two profiles describe different model shapes")
     return "\n".join(lines)

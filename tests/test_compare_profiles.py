@@ -30,3 +30,38 @@ def test_reference_points_between_the_measured_ones_are_interpolated():
         p for p in measured.points if p.op != "expert" or p.num_tokens in (1, 4096)])  # fmt: skip
     expert = compare(measured, sparse)["ops"]["expert"]
     assert expert["points"] == 3 and expert["max_abs_error_pct"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_every_op_of_a_profile_against_itself_is_exact():
+    """Each op is read on its own axes, as the latency model reads it: attn_prefill_batch
+    (batch_size x num_tokens) was read as batch_size x kv_tokens, collapsing its tokens,
+    and came out up to 6,960% off against itself; attn_chunk and wake_up likewise."""
+    from profiler.schema import OpPoint
+    from sim import profiles
+
+    base = profiles.load("a100-mixtral-nf4-hf")
+    extra = [OpPoint("attn_chunk", num_tokens=n, kv_tokens=k, median_ms=0.1 + n / 100 + k / 7)
+             for n in (16, 64, 256) for k in (128, 512, 2048)]  # fmt: skip
+    extra += [OpPoint("wake_up", idle_ms=i, busy_ms=b, median_ms=m)
+              for i, b, m in ((0, 0.0, 0.5), (200, 0.0, 4.0), (200, 10.0, 2.0), (1000, 0.0, 9.0),
+                              (1000, 10.0, 5.0), (1000, 30.0, 1.0))]  # fmt: skip
+    profile = dataclasses.replace(base, points=base.points + extra)
+    result = compare(profile, profile)
+    assert {"attn_prefill_batch", "attn_chunk", "wake_up", "attn_decode"} <= set(result["ops"])
+    for name, op in result["ops"].items():
+        assert op["max_abs_error_pct"] == pytest.approx(0.0, abs=1e-9), name
+        assert op["beyond"] == 0
+
+
+def test_points_beyond_the_reference_grid_are_marked_and_warned_of():
+    from sim.compare_profiles import table
+
+    measured = linear_profile()
+    clipped = dataclasses.replace(measured, points=[
+        p for p in measured.points if p.op != "expert" or p.num_tokens <= 64])  # fmt: skip
+    result = compare(measured, clipped)
+    expert = result["ops"]["expert"]
+    big = [p for p in expert["detail"] if p["num_tokens"] > 64]
+    assert big and all(p["beyond"] for p in big)
+    assert expert["beyond"] == len(big)
+    assert f"extrapolated: expert ({len(big)} of {expert['points']})" in table(result)
