@@ -303,6 +303,42 @@ def test_reproduce_writes_the_paper_directory(paper_results):
     assert "## The paper's merge" in readme and "| 1 | qllm-merge |" in readme
 
 
+def test_an_slo_rate_met_at_every_tested_rate_is_a_lower_bound_not_a_verdict(paper_results):
+    """Run at rates 1 and 4 only, qllm meets the LS SLO at both: its limit is 4 req/s or
+    more, which the write-up called "Lower" than the paper's 7."""
+    c = json.loads((paper_results / "comparison.json").read_text())
+    per_rate = c["per_rate"]
+    assert all(v["ls_ttft_qllm_s"] <= 3.0 for v in per_rate.values())  # the case at hand
+    assert c["slo_max_rate_qllm"] == c["top_rate"] == 4.0
+    readme = (paper_results / "README.md").read_text()
+    row = next(line for line in readme.splitlines()
+               if line.startswith("| qllm meets the LS SLO (3 s) |"))  # fmt: skip
+    assert "at every tested rate (up to 4 req/s; its limit is higher or untested)" in row
+    assert "Not tested up to the paper's rate: met at every rate tested, the highest 4" in row
+    assert "| Lower" not in row
+
+
+def test_rate_wording_and_verdict_of_a_censored_slo_rate():
+    from sim.reproduce.writeup import rate, rate_verdict
+
+    assert rate(None, 7.0) == "at no tested rate"
+    assert rate(5.0, 7.0) == "up to 5 req/s"
+    assert rate(7.0, 7.0).startswith("at every tested rate (up to 7 req/s")
+    assert rate_verdict(4.0, 7.0, 4.0).startswith("Not tested up to the paper's rate")
+    assert rate_verdict(7.0, 7.0, 7.0) == "Agrees"  # met up to the paper's own rate
+    assert rate_verdict(3.0, 7.0, 4.0) == "Lower"  # missed at 4: a real limit
+
+
+def test_reproduce_says_which_asked_rates_an_experiment_does_not_run(tmp_path, capsys):
+    code = reproduce.main(["--out", str(tmp_path), "--rates", "1", "1.5", "--seeds", "2",
+                           "--num-requests", "10", "--experiments", "paper",
+                           "--jobs", "1"])  # fmt: skip
+    assert code == 0
+    assert "warning: --rates 1.5: not among experiment paper's rates (" in capsys.readouterr().err
+    c = json.loads((tmp_path / "comparison.json").read_text())
+    assert c["top_rate"] == 1.0
+
+
 # The README's notebook commands: a relative QLLM_RESULTS, the executed copy written elsewhere.
 README_NOTEBOOK = re.compile(
     r"^QLLM_RESULTS=(\S+) \.venv/bin/jupyter execute notebooks/(\w+)\.ipynb "

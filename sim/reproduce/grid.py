@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import cache
 
@@ -91,6 +92,11 @@ def run_grid(experiments: list[Experiment], seeds: int | None = None, rates=None
         for exp in experiments:
             if rates:
                 kept = tuple(r for r in exp.rates if r in rates) or tuple(rates)
+                dropped = [r for r in rates if r not in kept]
+                if dropped:  # --rates keeps an experiment's own rates: say which it left out
+                    print(f"warning: --rates {' '.join(f'{r:g}' for r in dropped)}: not among "
+                          f"experiment {exp.name}'s rates ({', '.join(f'{r:g}' for r in exp.rates)}"
+                          f"): not run there", file=sys.stderr)  # fmt: skip
                 exp = dataclasses.replace(exp, rates=kept)
             bases = {}
             for axis, base, rate, rep in points(exp, seeds):

@@ -136,6 +136,8 @@ def compare(table: pd.DataFrame, baseline: str = BASELINE, ours: str = OURS,
         out[key] = _rate_or_none(value) if key.startswith("slo_") else float(value)
     out["ci95"] = {key: _ci(boot) for key, (_, boot) in point.items()}
     out["throughput_metric"] = tput
+    # an SLO max rate equal to this is censored: met at every rate tested, a lower bound
+    out["top_rate"] = float(rates.max())
     out["baseline"], out["ours"] = baseline, ours
     out["per_rate"] = {
         f"{rate:g}": {
