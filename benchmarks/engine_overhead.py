@@ -128,7 +128,9 @@ def generate_stages_ms(model, prompts, args, clock) -> dict[str, float]:
     hook("lm_head", model.model.norm)
     hook("lm_head", model.lm_head)
     try:
-        generate_decode_s(model, prompts, 1, clock)  # the prefill's share, measured alone
+        # the prefill's share, measured alone: one generate of one token (one forward), not
+        # generate_decode_s, which runs two generates (three forwards)
+        model.generate(prompts, do_sample=False, max_new_tokens=1)
         one = dict(acc)
         acc.clear()
         t = clock()
