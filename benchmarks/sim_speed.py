@@ -152,8 +152,9 @@ def trace_speed(args) -> None:
             print(f"goal_requests_per_cpu_s={GOAL_REQUESTS_PER_CPU_S} " + " ".join(
                 f"{p}={r / GOAL_REQUESTS_PER_CPU_S:.0%}" for p, r in reached.items()))  # fmt: skip
         if args.cluster_requests:
+            name, extra = VARIANTS.get(args.policies[0], (args.policies[0], []))
             cfg = compose("config", overrides=[
-                *base, f"policy={args.policies[0]}", f"workload.rate={args.cluster_rate}",
+                *base, f"policy={name}", *extra, f"workload.rate={args.cluster_rate}",
                 f"workload.num_requests={args.cluster_requests}",
                 f"cluster.replicas={args.replicas}",
                 "cluster.router=least_outstanding",
@@ -166,6 +167,7 @@ def trace_speed(args) -> None:
             print(f"cluster requests={len(requests)} replicas={args.replicas} "
                   f"fast_forward={args.cluster_fast_forward} "
                   f"rate={args.cluster_rate} policy={args.policies[0]} "
+                  f"memory={cfg.memory.model} "
                   f"workload_cpu_s={built_s:.1f} loop_cpu_s={cpu_s:.1f} "
                   f"loop_wall_s={wall_s:.1f} peak_rss_mb={rss_mb:.0f}")  # fmt: skip
             million_s = wall_s * 1e6 / len(requests)
