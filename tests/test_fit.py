@@ -62,3 +62,16 @@ def test_fold_error_is_symmetric_and_infinite_for_no_value():
     assert fit.fold_error(2.0, 1.0) == fit.fold_error(0.5, 1.0) == 2.0
     assert fit.fold_error(float("nan"), 1.0) == float("inf")
     assert fit.fold_error(0.0, PAPER["throughput_ratio_avg"]) == float("inf")
+
+
+def test_fit_on_a_table_refuses_the_flags_of_a_search_and_pooled_experiments(tmp_path, capsys):
+    """With --table, --num-requests and the other axes were accepted and ignored, and a
+    reproduce table's experiments were pooled as one search."""
+    path = tmp_path / "table.csv.gz"
+    pd.DataFrame({"experiment": ["paper", "uncapped"], "rate": [1.0, 1.0]}).to_csv(path)
+    assert fit.main(["--table", str(path), "--num-requests", "60", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("reproduce.fit: error: --num-requests sets up a search to run; with --table "
+                   "the table's own settings are analysed")  # fmt: skip
+    assert fit.main(["--table", str(path), "--out", str(tmp_path)]) == 2
+    assert "holds the runs of 2 experiments (paper, uncapped)" in capsys.readouterr().err

@@ -132,7 +132,7 @@ def _short(key: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="reproduce.fit", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("results/fit"))
-    ap.add_argument("--seeds", type=int, default=3, help="replicates per point (default 3)")
+    ap.add_argument("--seeds", type=int, default=None, help="replicates per point (default 3)")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     ap.add_argument("--num-requests", type=int, nargs="+", default=None)
     ap.add_argument("--max-output-tokens", type=int, nargs="+", default=None)
@@ -140,6 +140,15 @@ def main(argv=None) -> int:
     ap.add_argument("--table", type=Path, default=None,
                     help="analyse an earlier search's table.csv.gz instead of running")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.table is not None:  # a search already made: its own settings, nothing to run
+        given = [flag for flag, v in (("--seeds", args.seeds),
+                 ("--num-requests", args.num_requests), ("--max-output-tokens",
+                 args.max_output_tokens), ("--ls-fraction", args.ls_fraction)) if v]  # fmt: skip
+        if given:
+            print(f"reproduce.fit: error: {given[0]} sets up a search to run; with --table the "
+                  "table's own settings are analysed", file=sys.stderr)  # fmt: skip
+            return 2
+    args.seeds = 3 if args.seeds is None else args.seeds
     if args.seeds < 1:
         print(f"reproduce.fit: error: --seeds={args.seeds}: must be >= 1", file=sys.stderr)
         return 2
@@ -152,6 +161,14 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.table is not None:
         table = pd.read_csv(args.table)
+        experiments = sorted(set(table["experiment"])) if "experiment" in table else []
+        if len(experiments) > 1:  # several experiments' runs would be pooled as one
+            if "fit" not in experiments:
+                print(f"reproduce.fit: error: --table {args.table} holds the runs of "
+                      f"{len(experiments)} experiments ({', '.join(experiments)}), not a fit "
+                      "search's", file=sys.stderr)  # fmt: skip
+                return 2
+            table = table[table["experiment"] == "fit"]
     else:
         from sim.reproduce.grid import run_grid
 
