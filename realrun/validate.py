@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import statistics
 import sys
 import time
@@ -56,7 +57,7 @@ from policies.core import BE, LS, Batch, Phase, Request, Sequence
 from realrun.config import ClockKind, ValidateConfig, validate_engine, validate_shared
 from sim.app import CONF_DIR  # registers the simulator's schema (base_config) that it composes
 from sim.cli import App, fail, run
-from sim.config import UserError
+from sim.config import UserError, WorkloadConfig
 
 PROG = "qllm-validate"
 CLASSES = (LS, BE, "all")
@@ -67,8 +68,20 @@ HOST_POLICY = "iteration"  # the engine_host calibration's scheduler (continuous
 ConfigStore.instance().store(name="validate_schema", node=ValidateConfig)
 
 
+def write_config(out: Path, cfg: DictConfig, rates: list[float] | None) -> None:
+    """config.yaml: the resolved config, with the rates the points ran at as
+    ``workload.rate`` (each point's from its utilization; null until they are known)."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain["workload"]["rate"] = rates
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(plain))
+
+
 def check(cfg: DictConfig) -> None:
     validate_engine(cfg)
+    if cfg.workload.rate != WorkloadConfig().rate:  # each point's rate: utilization / S1
+        raise UserError(f"workload.rate={cfg.workload.rate}: qllm-validate sets each point's "
+                        "rate from utilizations (a utilization over the solo service time); "
+                        "set utilizations instead")  # fmt: skip
     if not cfg.utilizations or min(cfg.utilizations) <= 0:
         raise UserError(f"utilizations={list(cfg.utilizations)}: need values > 0")
     if not cfg.policies:
@@ -166,11 +179,25 @@ class ProfileSource:
         self.extra: list = []
         path = cfg.profile.get("path")
         if path:
-            profile, self.directory = profiles.load("", path), Path(path).resolve()
-            shape = (profile.model.num_layers, profile.model.num_experts)
-            if shape != (runner.num_layers, runner.num_experts):
+            profile = profiles.load("", path)
+            theirs = dataclasses.asdict(profile.model)
+            ours = dataclasses.asdict(info.shape)
+            differ = [k for k in ours if theirs.get(k) != ours[k]]
+            if differ:  # presets share layers x experts: the whole shape must agree
+                k = differ[0]
                 raise UserError(f"profile.path={path}: a profile of {profile.model.name}, not "
-                                f"of this model ({info.name})")  # fmt: skip
+                                f"of this model ({info.name}): {k} {theirs.get(k)} against "
+                                f"{ours[k]}")  # fmt: skip
+            clock = "process" if ClockKind(cfg.clock) is ClockKind.cpu else "wall"
+            timed = ((profile.extra or {}).get("settings") or {}).get("clock")
+            if timed is not None and timed != clock:
+                print(f"warning: profile.path={path} was timed on the {timed} clock, these "
+                      f"runs on the {clock} clock (clock={cfg.clock}): their errors mix the "
+                      "two", file=sys.stderr)  # fmt: skip
+            # the results folder holds the profile its runs were predicted with
+            if self.directory.exists():
+                shutil.rmtree(self.directory)
+            shutil.copytree(Path(path), self.directory)
             self.profile = profile
             return
         from profiler.measure import Profiler, Settings, SettingsError
@@ -277,9 +304,10 @@ def records_of(
         values = [math.nan if (v := get(real)) is None else v for real in reals]
         r = statistics.fmean(values)
         err = 100 * (s - r) / r if r else math.nan
-        cv = 100 * statistics.pstdev(values) / r if r and len(values) > 1 else 0.0
+        # one replay measures no spread: None, not 0
+        cv = 100 * statistics.pstdev(values) / r if r and len(values) > 1 else None
         row = {"policy": policy, "rate": rate, "load": load, "cls": cls, "metric": metric,
-               "requests": reals[0]["classes"]["all"]["count"],
+               "requests": reals[0]["classes"][cls]["count"],
                "sim": s, "real": r, "error_pct": err, "replays": len(values),
                "real_min": min(values), "real_max": max(values),
                "real_cv_pct": cv, "real_page_faults": faults,
@@ -433,8 +461,8 @@ def error_group(by: str, value: str, predicted: list[float], measured: list[floa
         return None
     return {"by": by, "value": value, "n": len(measured),
             "median_error_pct": statistics.median(errors),
-            "p10_error_pct": errors[int(0.1 * (len(errors) - 1))],
-            "p90_error_pct": errors[int(0.9 * (len(errors) - 1))],
+            "p10_error_pct": float(np.percentile(errors, 10)),
+            "p90_error_pct": float(np.percentile(errors, 90)),
             "time_error_pct": 100 * (sum(predicted) - sum(measured)) / sum(measured),
             "measured_ms_median": 1e3 * statistics.median(measured)}  # fmt: skip
 
@@ -693,7 +721,7 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     name = cfg.name or f"{info.name}-{info.device.type}"
     out = Path(cfg.out_dir) / name
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    write_config(out, cfg, None)  # the rates come with the profile's first pass
     # Lengths and classes do not depend on the rate (separate random streams): measure S1 once.
     nominal, _ = prepare_requests(cfg, runner, build_workload(cfg.workload, seed=cfg.seed))
     policy_caps = [OmegaConf.load(CONF_DIR / "policy" / f"{p}.yaml").get("max_batch_size")
@@ -710,6 +738,7 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     solo_s = solo_service_s(build_latency(sims[cfg.policies[0]], profile),
                             round(prompt), round(output))  # fmt: skip
     rates = [float(f"{u / solo_s:.3g}") for u in cfg.utilizations]
+    write_config(out, cfg, rates)
     print(f"S1={solo_s * 1e3:.1f} ms (prompt {prompt:.0f}, output {output:.0f} tokens): "
           f"rates {rates} req/s")  # fmt: skip
 
@@ -810,6 +839,10 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     return records, out
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def table(records: list[dict]) -> str:
     lines = [f"{'policy':<10} {'rate':>7} {'load':<8} {'cls':<4} {'metric':<16} {'sim':>10} "
              f"{'real':>10} {'error%':>8} {'real cv%':>8} {'real min-max':>17} "
@@ -818,7 +851,7 @@ def table(records: list[dict]) -> str:
         adjusted = r.get("speed_adjusted_error_pct")
         lines.append(f"{r['policy']:<10} {r['rate']:>7g} {r['load']:<8} {r['cls']:<4} "
                      f"{r['metric']:<16} {r['sim']:>10.4f} {r['real']:>10.4f} "
-                     f"{r['error_pct']:>8.1f} {r['real_cv_pct']:>8.1f} "
+                     f"{r['error_pct']:>8.1f} {_pct(r['real_cv_pct']):>8} "
                      f"{r['real_min']:>8.4f}-{r['real_max']:<8.4f} "
                      f"{'' if adjusted is None else f'{adjusted:.1f}':>8}")  # fmt: skip
     speeds = [(r["run_speed_min"], r["run_speed_max"]) for r in records
@@ -855,7 +888,7 @@ def summary_line(records: list[dict]) -> str:
     if not errors:
         return "no per-class means"
     within = sum(e <= 10 for e in errors)
-    noise = max((r["real_cv_pct"] for r in records), default=0.0)
+    cvs = [cv for r in records if (cv := r["real_cv_pct"]) is not None]
     median = statistics.median(errors)
     drifts = [d for r in records if (d := r.get("probe_drift_pct")) is not None]
     drift = f"; machine drift {min(drifts):+.1f}%..{max(drifts):+.1f}%" if drifts else ""
@@ -874,7 +907,8 @@ def summary_line(records: list[dict]) -> str:
                   f"{len(adjusted)} within 10%")  # fmt: skip
     return (
         f"per-class means: worst |error| {max(errors):.1f}%, median {median:.1f}%, "
-        f"{within} of {len(errors)} within 10%; real replays' worst cv {noise:.1f}%{drift}"
+        f"{within} of {len(errors)} within 10%; real replays' worst cv "
+        f"{f'{max(cvs):.1f}%' if cvs else '- (one replay each: no spread measured)'}{drift}"
     )
 
 

@@ -38,7 +38,7 @@ def rows_of(name: str, records: list[dict], clock: str = "?") -> list[str]:
         errors = [abs(r["error_pct"]) for r in point
                   if r["cls"] != "all" and math.isfinite(r["error_pct"])]  # fmt: skip
         thr = [r["error_pct"] for r in point if r["metric"] == "throughput_jobs"]
-        cv = max(r["real_cv_pct"] for r in point)
+        cvs = [cv for r in point if (cv := r["real_cv_pct"]) is not None]
         within = sum(e <= 10 for e in errors)
         adjusted = [abs(r["speed_adjusted_error_pct"]) for r in point if r["cls"] != "all"
                     and math.isfinite(r.get("speed_adjusted_error_pct", math.nan))]  # fmt: skip
@@ -47,7 +47,7 @@ def rows_of(name: str, records: list[dict], clock: str = "?") -> list[str]:
         rows.append(f"| {name} | {load} | {clock} | {max(errors):.1f}% "
                     f"| {statistics.median(errors):.1f}% "
                     f"| {within} of {len(errors)} | {min(thr):+.1f}% .. {max(thr):+.1f}% "
-                    f"| {cv:.1f}% | {adj} |")  # fmt: skip
+                    f"| {f'{max(cvs):.1f}%' if cvs else '-'} | {adj} |")  # fmt: skip
     return rows
 
 

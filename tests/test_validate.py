@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import linear_profile
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from profiler import measure
 from profiler.measure import WAKE_POINTS
@@ -54,6 +55,8 @@ from realrun.validate import (
 from sim.app import CONF_DIR
 from sim.config import UserError
 from sim.latency import LatencyModel, RoutingModel
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = [
     "workload.num_requests=10",
@@ -109,9 +112,17 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     rates = sorted({r["rate"] for r in records})
     assert len(rates) == 2 and rates[0] < rates[1]
     # min_run_s: the light point keeps num_requests, the loaded one gets ceil(rate * 0.5)
-    for r in records:
-        assert r["requests"] == max(10, math.ceil(r["rate"] * 0.5))
+    for r in records:  # a row's requests: its class's (LS and BE rows once said all's)
+        if r["cls"] == "all":
+            assert r["requests"] == max(10, math.ceil(r["rate"] * 0.5))
     assert {r["requests"] for r in records if r["rate"] == rates[1]} != {10}
+    for policy in ("fcfs", "qllm"):
+        for rate in rates:
+            n = {r["cls"]: r["requests"] for r in records
+                 if r["policy"] == policy and r["rate"] == rate}  # fmt: skip
+            assert n["LS"] + n["BE"] == n["all"] and 0 < n["LS"] < n["all"]
+    config = OmegaConf.load(out / "config.yaml")  # the rates the points ran at
+    assert sorted(config.workload.rate) == rates
     keys = {"policy", "rate", "load", "cls", "metric", "requests", "sim", "real", "error_pct",
             "replays",
             "real_min", "real_max", "real_cv_pct", "real_page_faults",
@@ -204,7 +215,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     [("policies=[qllm,nope]", "policies: nope is not a policy"),
      ("utilizations=[0]", "utilizations=[0.0]: need values > 0"),
      ("max_prompt_tokens=0", "max_prompt_tokens=0: must be >= 1"),
-     ("min_run_s=-1", "min_run_s=-1.0: must be >= 0")],
+     ("min_run_s=-1", "min_run_s=-1.0: must be >= 0"),
+     ("workload.rate=99", "workload.rate=99.0: qllm-validate sets each point's rate")],
 )  # fmt: skip
 def test_bad_settings_are_user_errors(override, message):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -294,6 +306,55 @@ def test_a_machine_that_drifted_is_warned_about():
     assert warning.startswith("warning: the machine's own speed drifted -7.2% during the runs")
     assert "\n" not in warning
     assert drift_warning(records_of("fcfs", 1.0, "light", [summary], summary)) is None
+
+
+def test_one_replay_measures_no_spread_and_says_so():
+    """With replays=1 the real engine's noise was reported as cv 0.0%."""
+    stats = {"mean": 1.0}
+    summary = {"classes": {c: {"count": 5, "ttft_s": stats, "turnaround_s": stats,
+                               "tpot_s": stats} for c in CLASSES},
+               "throughput": {"jobs_per_s": 1.0}}  # fmt: skip
+    one = records_of("fcfs", 1.0, "light", [summary], summary)
+    assert one and all(r["real_cv_pct"] is None for r in one)
+    assert "real replays' worst cv - (one replay each: no spread measured)" in summary_line(one)
+    assert all(line.split()[8] == "-" for line in table(one).splitlines()[1:] if line.strip())
+    two = records_of("fcfs", 1.0, "light", [summary, summary], summary)
+    assert all(r["real_cv_pct"] == 0.0 for r in two)
+
+
+def test_iteration_error_percentiles_interpolate_in_small_groups():
+    """p90 of two errors, 10% and 50%, was 10% (below their median)."""
+    from realrun.validate import error_group
+
+    group = error_group("phase", "decode", [1.1, 1.5], [1.0, 1.0])
+    assert group["median_error_pct"] == pytest.approx(30.0)
+    assert group["p10_error_pct"] == pytest.approx(14.0)
+    assert group["p90_error_pct"] == pytest.approx(46.0)
+
+
+def test_a_profile_of_another_model_of_the_same_layers_and_experts_is_refused(tmp_path):
+    """tiny-olmoe and tiny-qwen2-moe both have 3 layers of 8 experts: a tiny-qwen2-moe
+    profile was accepted for tiny-olmoe runs without a word."""
+    from realrun.run import load_model
+    from realrun.validate import ProfileSource
+
+    other = ROOT / "results" / "validation" / "tiny-qwen2-moe-cpu" / "profile"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("validate", overrides=["model=tiny-olmoe", f"profile.path={other}",
+                                             "device=cpu"])  # fmt: skip
+    runner, info = load_model(cfg)
+    with pytest.raises(UserError, match="a profile of .*not of this model"):
+        ProfileSource(cfg, runner, info, tmp_path / "out", (1, 1, 1, 1))
+    own = ROOT / "results" / "validation" / "tiny-olmoe-cpu" / "profile"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("validate", overrides=["model=tiny-olmoe", f"profile.path={own}",
+                                             "device=cpu", "clock=cpu"])  # fmt: skip
+    (tmp_path / "out" / "profile").mkdir(parents=True)
+    (tmp_path / "out" / "profile" / "stale.txt").write_text("an earlier run's")
+    ProfileSource(cfg, runner, info, tmp_path / "out", (1, 1, 1, 1))
+    # the results folder holds the profile given, not an earlier run's
+    assert not (tmp_path / "out" / "profile" / "stale.txt").exists()
+    assert (tmp_path / "out" / "profile" / "ops.csv").read_bytes() == (own / "ops.csv").read_bytes()
 
 
 def test_a_run_that_page_faulted_is_warned_about():
