@@ -379,20 +379,29 @@ def shape_batch(phase: str, shape: list[tuple[str, int, int]]) -> Batch:
 
 
 def predict_segment(
-    latency, segment, draws: int = PREDICTION_DRAWS, wake: tuple[float, float] | None = None
+    latency,
+    segment,
+    draws: int = PREDICTION_DRAWS,
+    wake: tuple[float, float] | None = None,
+    partner: list | None = None,
 ) -> tuple[float, float]:
     """(predicted seconds, of which wake-up) of a recorded segment, as the simulator charges
     it: the plan's time from the start to the end cursor (mean over routing draws; binding a
-    new padded KV when the engine did), the switch of a resumed batch, and its share of the
-    wake-up: ``wake`` is (idle seconds, busy seconds since), by default the idle time just
-    before the segment and none since."""
+    new padded KV when the engine did), the switch of a resumed batch (after a merge: of the
+    suspended batch merged in, whose shape is ``partner``, as ``Simulation._merge`` charges
+    it), and its share of the wake-up: ``wake`` is (idle seconds, busy seconds since), by
+    default the idle time just before the segment and none since."""
     batch = shape_batch(segment.phase, segment.shape)
     run_s = statistics.fmean(
         (plan := latency.plan(batch, segment.bound)).offset(segment.end_cursor)
         - plan.offset(segment.start_cursor)
         for _ in range(draws)
     )
-    if segment.start_cursor:
+    if partner is not None:
+        merged_in = shape_batch(segment.phase, partner)
+        merged_in.cursor = segment.start_cursor
+        run_s += latency.switch_s(merged_in)
+    elif segment.start_cursor:
         batch.cursor = segment.start_cursor
         run_s += latency.switch_s(batch)
     idle_s, busy_s = wake if wake is not None else (segment.idle_s, 0.0)
@@ -424,10 +433,16 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
     rows = []
     wake = None  # (idle seconds, busy seconds since) while the simulator would charge a wake-up
     after = "start"  # the phase of the segment just before (the run's first: start)
+    before = None  # the segment just before
     for seg, host_gap_s in zip(segments, host_gaps(segments), strict=True):
         if seg.idle_s > 0:
             wake = (seg.idle_s, 0.0)
-        predicted_s, wake_s = predict_segment(latency, seg, wake=wake or (0.0, 0.0))
+        # the rest of an iteration after a merge: the merged batch, the running batch's
+        # sequences first (the engine's shape), the partner's after them
+        partner = (seg.shape[len(before.shape):] if before is not None and before.merged
+                   else None)  # fmt: skip
+        predicted_s, wake_s = predict_segment(latency, seg, wake=wake or (0.0, 0.0),
+                                              partner=partner)  # fmt: skip
         if wake is not None:
             busy_s = wake[1] + predicted_s - wake_s
             wake = (wake[0], busy_s) if busy_s < latency.wake_window_s else None
@@ -435,6 +450,7 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
         phase_tokens = (sum(n for _, n, _ in seg.shape) if seg.phase == Phase.PREFILL.value
                         else max(c for _, _, c in seg.shape))  # fmt: skip
         kind = ("preempted" if seg.preempted else "merged" if seg.merged
+                else "after merge" if partner is not None
                 else "resumed" if seg.start_cursor else "whole")  # fmt: skip
         rows.append({"policy": policy, "rate": rate, "replay": replay, "batch": seg.batch,
                      "phase": seg.phase, "size": len(seg.shape), "tokens": phase_tokens,
@@ -448,7 +464,7 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
                      "predicted_s": predicted_s, "wake_s": wake_s,
                      "error_pct": 100 * (predicted_s - measured_s) / measured_s
                      if measured_s > 0 else math.nan})  # fmt: skip
-        after = seg.phase
+        after, before = seg.phase, seg
     return rows
 
 

@@ -389,6 +389,28 @@ def test_a_segment_that_bound_its_kv_is_predicted_with_the_bind_term():
     assert bound - reused == pytest.approx(base.model.num_layers * 0.005)
 
 
+def test_the_rest_of_an_iteration_after_a_merge_is_charged_the_partners_switch():
+    """After a merge the engine runs the merged batch from the cursor both reached; the
+    simulator charges the switch of the suspended batch merged in (its saved state), not of
+    the merged batch, and the segment is its own kind, not "resumed"."""
+    base = linear_profile(expert_ms=0.0)  # an expert's time per token only: routing-blind
+    switch = [OpPoint("preempt_switch", num_tokens=n, median_ms=n * 0.01) for n in (1, 64, 512)]
+    profile = replace(base, points=base.points + switch)
+    latency = LatencyModel(profile, RoutingModel(4, 8, 2))
+    running, partner = [("prefill", 40, 40)], [("prefill", 200, 200)]
+    stages = latency.plan(shape_batch("prefill", running)).num_stages  # cursor 11: layer 0 done
+    first = Segment(3, "prefill", running, 0, 11, 0.0, 0.01, 0.0, False, merged=True)
+    rest = Segment(4, "prefill", running + partner, 11, stages, 0.01, 0.05, 0.0, False)
+    rows = iteration_rows("qllm", 1.0, 0, [first, rest], latency)
+    assert [r["kind"] for r in rows] == ["merged", "after merge"]
+    alone = (
+        predict_segment(latency, replace(rest, start_cursor=0))[0]
+        - predict_segment(latency, replace(rest, start_cursor=0, end_cursor=11))[0]
+    )  # the plan's time from layer 1 on
+    assert alone == pytest.approx(0.023)
+    assert rows[1]["predicted_s"] == pytest.approx(alone + 0.002, rel=1e-6)  # 200 tokens' switch
+
+
 def test_the_segments_after_an_idle_gap_share_its_wake_up_as_the_simulator_charges_it():
     """wake_up (100 ms idle) leaves 20 ms at 0 ms of work, none after 50 ms: the segments
     after a gap get shares that add up to 20 ms, the first the largest; the segment after the
