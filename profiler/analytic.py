@@ -76,7 +76,7 @@ class Hardware:
     name: str
     peak_flops: float  # dense fp16/bf16 FLOP/s (no sparsity)
     mem_bw: float  # HBM bytes/s
-    memory_gb: float
+    memory_bytes: float  # device memory, as nvidia-smi reports it (MiB x 2**20)
     gemm: Efficiency  # MLP-sized GEMMs: expert up/down projections, router gate, lm_head
     proj: Efficiency  # attention projections (fused q/k/v, o)
     elementwise: Efficiency  # memory-bound kernels: norms, activation, rope, gathers, adds
@@ -112,14 +112,14 @@ ATTENTION_EFF = Efficiency(compute=0.5, memory=0.75, overhead_s=5e-06)
 
 
 def _hardware(
-    name: str, peak_flops: float, mem_bw: float, memory_gb: float, link_bw: float, host_bw: float
+    name: str, peak_flops: float, mem_bw: float, memory_mib: float, link_bw: float, host_bw: float
 ) -> Hardware:
     """A GPU with the A100-fitted efficiencies (an assumption for other GPUs)."""
     return Hardware(
         name=name,
         peak_flops=peak_flops,
         mem_bw=mem_bw,
-        memory_gb=memory_gb,
+        memory_bytes=memory_mib * MIB,
         link_bw=link_bw,
         host_bw=host_bw,
         allreduce_latency_s=ALLREDUCE_LATENCY_S,
@@ -138,9 +138,13 @@ LINK_EFFICIENCY = 0.8
 ALLREDUCE_LATENCY_S = 10e-6
 # Host link for KV swaps: PCIe Gen4 x16 on the A100 (32 GB/s raw per direction), Gen5 x16 on
 # the H100 and H200 (64 GB/s raw); ~80% of raw reaches pinned-memory copies (assumed).
-A100 = _hardware("NVIDIA A100 80GB SXM", 312e12, 2.039e12, 80, 300e9, 25e9)
-H100 = _hardware("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 80, 450e9, 50e9)
-H200 = _hardware("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 141, 450e9, 50e9)
+# Device memory as nvidia-smi reports it: a "141 GB" H200 has 143,771 MiB (150.8e9 bytes;
+# measured on this project's H200, results/gpu/h200/env.log), an "80 GB" A100 81,920 MiB and an
+# H100 SXM 81,559 MiB. Taking the marketed GB as 1e9 bytes left the H200's KV cache 21% short.
+MIB = 2**20
+A100 = _hardware("NVIDIA A100 80GB SXM", 312e12, 2.039e12, 81_920, 300e9, 25e9)
+H100 = _hardware("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 81_559, 450e9, 50e9)
+H200 = _hardware("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 143_771, 450e9, 50e9)
 HARDWARE = {"a100": A100, "h100": H100, "h200": H200}
 
 MIXTRAL_8X7B = ModelShape(
@@ -493,7 +497,7 @@ def weight_params(m: ModelShape) -> tuple[int, int]:
 
 def memory_for(
     m: ModelShape,
-    memory_gb: float,
+    memory_bytes: float,
     weight_bytes: float,
     tp: int = 1,
     host_bw: float = SWAP_BYTES_PER_S,
@@ -502,10 +506,10 @@ def memory_for(
     over the GPUs, as is each token's KV cache). Each GPU swaps its share of a token's KV over
     its own host link, so a swap moves at tp x ``host_bw``."""
     kv = m.kv_bytes_per_token_fp16
-    free = tp * memory_gb * 1e9 * KV_UTILISATION - weight_bytes
+    free = tp * memory_bytes * KV_UTILISATION - weight_bytes
     if free < kv:
         raise ValueError(f"{weight_bytes / 1e9:.1f} GB of weights leave no room for a KV cache "
-                         f"on {tp} x {memory_gb:g} GB")  # fmt: skip
+                         f"on {tp} x {memory_bytes / 1e9:.1f} GB")  # fmt: skip
     return Memory(
         kv_capacity_tokens=int(free // kv),
         kv_bytes_per_token=kv,
@@ -551,7 +555,7 @@ def weight_bytes_fp16(m: ModelShape) -> float:
 def analytic_profile(name: str, hw: Hardware, dtype: str, tp: int = 1) -> Profile:
     m = MIXTRAL_8X7B
     weights = weight_bytes_fp16(m)
-    mem = memory_for(m, hw.memory_gb, weights, tp, hw.host_bw)
+    mem = memory_for(m, hw.memory_bytes, weights, tp, hw.host_bw)
     gpus = f"one {hw.name}" if tp == 1 else f"{tp} x {hw.name}"
     parallel = (
         ""
@@ -563,9 +567,10 @@ def analytic_profile(name: str, hw: Hardware, dtype: str, tp: int = 1) -> Profil
     description = (
         f"Analytic roofline profile: Mixtral-8x7B ({dtype} weights, {weights / 1e9:.1f} GB) on "
         f"{gpus} ({hw.peak_flops / 1e12:.0f} TFLOP/s dense, {hw.mem_bw / 1e12:.2f} TB/s, "
-        f"{hw.memory_gb:g} GB per GPU), served by an optimised engine (fused attention, one "
-        "attention call over a whole prefill batch, no per-kernel host cost, a fixed "
-        f"per-iteration host cost).{parallel} KV capacity = ({tp} x {hw.memory_gb:g} GB x "
+        f"{hw.memory_bytes / MIB:,.0f} MiB per GPU), served by an optimised engine (fused "
+        "attention, one attention call over a whole prefill batch, no per-kernel host cost, "
+        f"a fixed per-iteration host cost).{parallel} KV capacity = ({tp} x "
+        f"{hw.memory_bytes / MIB:,.0f} MiB x "
         f"{KV_UTILISATION} - weights) / kv_bytes_per_token. KV swapped to host memory moves at "
         f"{mem.swap_bytes_per_s / 1e9:g} GB/s ({tp} x {hw.host_bw / 1e9:g} GB/s over PCIe, "
         "assumed). p90 equals the median (the model has no spread)."
@@ -605,7 +610,7 @@ def _extra(ex: Execution, hw: Hardware, tp: int, weights: float) -> dict:
         "generator": "profiler.analytic",
         "execution": ex.name,
         "tensor_parallel": tp,
-        "gpu_memory_gb": hw.memory_gb,
+        "gpu_memory_bytes": hw.memory_bytes,
         "gpu_mem_bw_bytes_per_s": hw.mem_bw,
         "weight_bytes": weights,
     }
@@ -620,7 +625,7 @@ def nf4_profile(name: str = "a100-mixtral-nf4-hf", loop_in_experts: float = 0.0)
     m, hw = MIXTRAL_8X7B, A100
     ex = replace(HF_EAGER_NF4, loop_in_experts=loop_in_experts)
     weights = NF4_WEIGHTS_GB * 1e9
-    mem = memory_for(m, hw.memory_gb, weights, host_bw=hw.host_bw)
+    mem = memory_for(m, hw.memory_bytes, weights, host_bw=hw.host_bw)
     description = (
         "Mixtral-8x7B on one NVIDIA A100 80GB with 4-bit NF4 bitsandbytes weights (double "
         "quantisation), fp16 compute and KV cache, Hugging Face transformers in PyTorch eager "
@@ -663,9 +668,9 @@ def nf4_profile(name: str = "a100-mixtral-nf4-hf", loop_in_experts: float = 0.0)
         "layer lies between expert boundaries, hence what expert-level preemption can gain "
         "over layer-level. A 128-token "
         "prefill of one sequence plans at ~0.40 s, 1024 tokens at ~0.50 s. Memory: 22.9 GB of "
-        "weights (the paper) on 80 GB; KV cache in fp16, "
+        "weights (the paper) on 80 GB (81,920 MiB); KV cache in fp16, "
         f"{mem.kv_bytes_per_token} bytes/token (2 x 32 layers x 8 KV heads x 128 x 2 bytes); "
-        f"kv_capacity_tokens = (80 GB x {KV_UTILISATION} - 22.9 GB) / "
+        f"kv_capacity_tokens = (81,920 MiB x {KV_UTILISATION} - 22.9 GB) / "
         f"{mem.kv_bytes_per_token} = {mem.kv_capacity_tokens}; activation_bytes_per_token = "
         f"hidden 4096 x 2 bytes x {ACTIVATION_FACTOR} (the saved hidden state and the top-2 "
         "experts' partial outputs of a suspended sequence); KV swapped to host memory moves at "

@@ -156,7 +156,8 @@ def test_nf4_prefill_grows_with_tokens():
 def test_nf4_memory_from_the_paper():
     mem = load("a100-mixtral-nf4-hf").memory
     assert mem.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
-    assert mem.kv_capacity_tokens == int((80e9 * 0.9 - 22.9e9) // mem.kv_bytes_per_token)
+    # an "80 GB" A100 has 81,920 MiB, as nvidia-smi reports it
+    assert mem.kv_capacity_tokens == int((81_920 * 2**20 * 0.9 - 22.9e9) // mem.kv_bytes_per_token)
 
 
 # -------------------------------------------------------------------------- roofline sanity
@@ -195,7 +196,7 @@ def test_every_builtin_profile_is_physically_possible(name):
     faster than streaming the weights it reads at the GPUs' combined memory bandwidth."""
     profile = load(name)
     m, mem, extra = profile.model, profile.memory, profile.extra
-    tp, memory_bytes = extra["tensor_parallel"], extra["gpu_memory_gb"] * 1e9
+    tp, memory_bytes = extra["tensor_parallel"], extra["gpu_memory_bytes"]
     all_weights = weight_bytes_read(profile, m.num_experts) + 2 * m.vocab_size * m.hidden_size
     assert all_weights == pytest.approx(extra["weight_bytes"], rel=0.07)  # nf4: the paper's 22.9
     assert extra["weight_bytes"] / tp < memory_bytes
@@ -210,8 +211,8 @@ def test_every_builtin_profile_is_physically_possible(name):
 
 def test_tensor_parallel_allreduce_and_memory_by_hand():
     """TP=2 on A100s: one all-reduce of one token's hidden state (4096 x 2 bytes) moves
-    2 x (2 - 1) / 2 x 8192 bytes at 300 GB/s x 0.8, plus 10 us; the KV cache gets what 2 x 72 GB
-    leave after 93.4 GB of weights."""
+    2 x (2 - 1) / 2 x 8192 bytes at 300 GB/s x 0.8, plus 10 us; the KV cache gets what 2 x 90%
+    of 81,920 MiB leave after 93.4 GB of weights."""
     m = analytic.MIXTRAL_8X7B
     tp2 = analytic.LayerModel(m, analytic.A100, tp=2)
     assert float(tp2.allreduce(1)) == pytest.approx(8192 / 240e9 + 10e-6)
@@ -220,6 +221,18 @@ def test_tensor_parallel_allreduce_and_memory_by_hand():
     weights = analytic.weight_bytes_fp16(m)
     assert weights == pytest.approx(93.4e9, rel=0.001)
     mem = load("a100x2-mixtral-fp16").memory
-    assert mem.kv_capacity_tokens == int((2 * 80e9 * 0.9 - weights) // (2 * 32 * 8 * 128 * 2))
+    total = 2 * 81_920 * 2**20
+    assert mem.kv_capacity_tokens == int((total * 0.9 - weights) // (2 * 32 * 8 * 128 * 2))
     with pytest.raises(ValueError, match="no room"):
-        analytic.memory_for(m, 80, weights, tp=1)
+        analytic.memory_for(m, 80e9, weights, tp=1)
+
+
+def test_the_h200s_kv_capacity_is_what_its_measured_memory_leaves():
+    """On this project's H200 nvidia-smi reported 143,771 MiB (results/gpu/h200/env.log); the
+    analytic profile took "141 GB" as 141e9 bytes and held 255,546 tokens, 21% short."""
+    env = (ROOT / "results" / "gpu" / "h200" / "env.log").read_text()
+    assert "143771MiB" in env
+    mem = load("h200-mixtral-bf16").memory
+    weights = analytic.weight_bytes_fp16(analytic.MIXTRAL_8X7B)
+    assert mem.kv_capacity_tokens == int((143_771 * 2**20 * 0.9 - weights) // 131_072)
+    assert 320_000 < mem.kv_capacity_tokens < 325_000
