@@ -344,6 +344,10 @@ class Simulation:
         iteration started, if before now (the one in progress when an arrival cut a
         fast-forward; then no stop)."""
         env, plan = self.env, batch.plan
+        if start_s is None and self.sched.preemptible and self.sched.should_preempt():
+            # asked already (an arrival during a wake-up or a switch, which nothing
+            # interrupts): the next preemptible boundary past the cursor, as stepping finds it
+            return (yield from self._to_next_allowed(batch, stop))
         offset = plan.offset(batch.cursor)
         end = plan.num_stages if stop is None else stop
         start = env.now if start_s is None else start_s
@@ -361,6 +365,21 @@ class Simulation:
         except simpy.Interrupt:
             self._interruptible = False
         return (yield from self._to_boundary(batch, offset + (env.now - start)))
+
+    def _to_next_allowed(self, batch: Batch, stop: int | None = None):
+        """Run to the first preemptible boundary after the cursor, up to ``stop`` (None: the
+        end), and return True there; without one, run to ``stop`` or the end and return
+        False. ``_run_steps``' times and choice, in one timeout."""
+        env, plan = self.env, batch.plan
+        end = plan.num_stages if stop is None else stop
+        start = env.now - plan.offset(batch.cursor)
+        ahead = [b for b in plan.preemptible(self.sched.granularity) if batch.cursor < b <= end]
+        target = ahead[0] if ahead else end
+        yield env.timeout(max(0.0, start + plan.offset(target) - env.now))
+        self.events += 1
+        if ahead or stop is not None:
+            batch.cursor = target
+        return bool(ahead)
 
     def _until(self, t: float):
         """Wait until the clock reads exactly t: a fast-forwarded run must end on the very

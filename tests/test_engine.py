@@ -114,6 +114,31 @@ def test_boundary_lookup_matches_stepping_every_boundary(policy_cls):
         np.testing.assert_allclose(lookup[col], step[col], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("policy_cls", [LayerPreemptive, QLLM])
+def test_an_arrival_during_a_switch_preempts_as_stepping_does(policy_cls):
+    """Nothing interrupts a resumed batch's switch: an LS request that arrived during it was
+    not asked about until the iteration's end (lookup), where stepping preempts at the next
+    boundary. BE decodes; LS 1 preempts it; LS 2 arrives 10 ms into BE's 40 ms switch."""
+    base = linear_profile(num_layers=6, attn_ms=5, expert_ms=1, overhead_ms=5)
+    switch = [OpPoint("preempt_switch", num_tokens=n, median_ms=40.0) for n in (1, 4096)]
+    profile = replace(base, points=base.points + switch)
+    first = [Request(0, "BE", 0.0, 100, 30), Request(1, "LS", 0.2, 100, 1)]
+    result, _ = run(first, policy_cls(), profile, trace=True)
+    assert result.preemptions == 1
+    # the trace: BE's segments, LS 1's prefill, then BE resumed (its switch first)
+    ls1_end = next(end for start, end, bid, kind, size in result.trace
+                   if kind == "prefill" and start > 0.2)  # fmt: skip
+    requests = [*first, Request(2, "LS", ls1_end + 0.010, 100, 1)]
+    out = {}
+    for mode in ("lookup", "step"):
+        r, _ = run(requests, policy_cls(), profile, mode=mode)
+        out[mode] = requests_frame(r.sequences).set_index("id")
+    assert out["step"].loc[0, "preemptions"] == 2  # stepping preempts the resumed BE batch
+    assert (out["lookup"]["preemptions"] == out["step"]["preemptions"]).all()
+    for col in ("first_token_s", "finish_s"):
+        np.testing.assert_allclose(out["lookup"][col], out["step"][col], rtol=1e-9, atol=1e-9)
+
+
 def _ls_interrupting_be(policy, arrive_frac):
     """A BE prefill starts at t=0; an LS request arrives a fraction into that iteration."""
     profile = linear_profile(num_layers=4, num_experts=8, attn_ms=4, expert_ms=2, overhead_ms=1)
