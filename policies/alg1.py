@@ -86,9 +86,17 @@ class Algorithm1(Policy):
         if len(ls_ready) >= size:
             return self._decode(s, list(itertools.islice(ls_ready, size)), size)
         if ls_waiting and slots > 0:
-            if self.evict_be_for_ls:
-                head = next(iter(ls_waiting))
-                self._evict_be(s, s.memory.admit_tokens(head))
+            if self.evict_be_for_ls and s.waiting[LS]:
+                # room for the first real LS request and the overdue BE ones queued before
+                # it (admitted in order); never for overdue BE work alone, which evicting
+                # other BE work would only trade for its own kind, each victim soon overdue
+                # in turn (2,042 recomputes for 150 requests, most of them that)
+                need = 0
+                for q in ls_waiting:
+                    need += s.memory.admit_tokens(q)
+                    if q.cls == LS:
+                        break
+                self._evict_be(s, need)
             ls = s.take_prefill(ls_waiting, min(size, slots), budget)
             if ls:
                 self._promote(ls)
