@@ -316,7 +316,7 @@ def test_default_run_length_and_keeps_up_tell_a_backlog_growing_by_a_tenth_from_
     replica well within its capacity is sustained on every seed, and one overloaded by about
     a seventh (its backlog grows by 10-15% of arrivals, with every SLO met under qllm) is not;
     the former defaults (200 arrivals, 0.8) accepted the overload and, under qllm, scattered
-    the replica that keeps up over 0.82-0.92 (README, Capacity planning)."""
+    the replica that keeps up over 0.82-0.97 (README, Capacity planning)."""
     from sim.plan import MIN_REQUESTS, evaluate, parser
 
     default = parser().parse_args([])
