@@ -151,6 +151,9 @@ def wake_curve(idle_ms: int, times_ms: np.ndarray) -> list[OpPoint]:
 KV_MEMORY_SHARE = 0.9
 
 
+SPLIT_OPS = ("attn_prefill_outer", "attn_prefill_next")  # a prefill's attention, split
+
+
 class SettingsError(ValueError):
     """A profiler setting is out of range."""
 
@@ -645,6 +648,11 @@ class Profiler:
                 self.samples[key] = list(self.samples[("attn_prefill", 0, n, 0)])
         pts = []
         for (op, batch, tokens, kv), times in sorted(self.samples.items()):
+            if op in SPLIT_OPS and not self.settings.prefill_pairs:
+                # without the pairs, attn_prefill_next has only the longest prompt's point
+                # (from batched prefills), which a curve would hold for every length, and
+                # none at all without them: no split (per_prompt sums attn_prefill)
+                continue
             med, p90 = summarize(times)
             pts.append(OpPoint(op, batch, tokens, kv, median_ms=med, p90_ms=p90))
         return pts + self.expert_points()

@@ -687,3 +687,10 @@ def test_a_batched_prefill_files_its_router_and_experts_and_splits_its_attention
     assert settings.prefill_batches == [3]  # 12 tokens: one prompt; 36 and 40: three
     with pytest.raises(measure.SettingsError, match="prefill_batch_tokens"):
         replace(settings, prefill_batch_tokens=(0,)).validate()
+    # without the pairs, attn_prefill_next would hold the longest prompt's point alone (3x too
+    # long for short prompts), or be missing (a profile error after the whole grid): no split
+    prof.settings = replace(settings, prefill_pairs=False)
+    unsplit = prof.table()
+    assert not {p.op for p in unsplit} & {"attn_prefill_outer", "attn_prefill_next"}
+    assert {p.num_tokens for p in unsplit if p.op == "attn_prefill"} == {4, 12}
+    measure.build_profile(prof, info, "t", unsplit)  # a valid profile
