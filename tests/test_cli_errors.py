@@ -40,7 +40,10 @@ CASES = (
         "workload.prompt.tokens=5000: must be in [prompt.min, prompt.max] = [1, 2048]")]
     + [("qllm-realrun", *c) for c in COMMON + WORKLOAD + POLICY]
     + [("qllm-realrun", ["device=tpu"], "device=tpu: must be auto, cpu, cuda")]
-    + [("qllm-validate", *c) for c in COMMON + WORKLOAD]
+    # qllm-validate sets each point's rate itself: a valid workload.rate is refused too
+    + [("qllm-validate", *c) for c in COMMON + WORKLOAD if c[0] != ["-m", "workload.rate=1,abc"]]
+    + [("qllm-validate", ["workload.rate=2"], "workload.rate=2.0: qllm-validate sets each point's "
+        "rate from utilizations")]
     + [("qllm-profile", *c) for c in COMMON]
     + [("qllm-profile", ["threads=0"], "threads=0: must be an integer >= 1 or null"),
        ("qllm-profile", ["repeats=x"], "repeats=x: must be an integer >= 1"),

@@ -194,8 +194,12 @@ def test_extrapolating_beyond_a_grid_warns_once_per_run(tmp_path, capsys):
     short = [p for p in base.points if not (p.op == "attn_prefill" and p.num_tokens > 2)]
     short.append(OpPoint("attn_prefill", num_tokens=1024, median_ms=1.0))
     directory = replace(base, points=short).save(tmp_path / "p")
-    overrides = [f"profile.path={directory}", "workload=synthetic", "workload.rate=50",
-                 "workload.prompt.max=4096"]
+    overrides = [
+        f"profile.path={directory}",
+        "workload=synthetic",
+        "workload.rate=50",
+        "workload.prompt.max=4096",
+    ]
     simulate(app_cfg(*overrides, "workload.prompt.tokens=2000", "workload.output.tokens=4"))
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
