@@ -5,11 +5,12 @@ sustain it (bisected over the count between the counts searched), with the LS an
 of runs at that rate on them.
 
 A rate is *sustained* when, for every seed, a run of ``max(min_requests x replicas, rate x
-horizon_s)`` arrivals (a trace workload: the whole trace, rescaled to the rate, unless
-``--horizon-s`` is given) meets every target: LS TTFT p99 <= ``--ls-ttft-p99-s``, goodput (the
-fraction of requests meeting every SLO that is set) >= ``--goodput``, and the cluster keeps up:
-its steady-state completions per second (README, Outputs) are at least ``--keeps-up`` (0.95)
-times the arrival rate, so that BE work without an SLO cannot pile up unseen. The search
+horizon_s)`` arrivals (a trace workload: the whole trace, rescaled to the rate and repeated
+where it is short of ``min_requests x replicas``, unless ``--horizon-s`` is given) meets
+every target: LS TTFT p99 <= ``--ls-ttft-p99-s``, goodput (the fraction of requests meeting
+every SLO that is set) >= ``--goodput``, and the cluster keeps up: the completions in the
+run's steady window are at least ``--keeps-up`` (0.95) times its arrivals there
+(``keeps_up``), so that BE work without an SLO cannot pile up unseen. The search
 brackets the capacity by doubling from ``--rate-lo``, then bisects until the bracket is within
 ``--rel-tol``; it assumes that a cluster that sustains a rate sustains every lower one. All
 searches advance together: the runs of one step (every search's next rate x seeds) go to a pool
@@ -370,8 +371,9 @@ def _float(x) -> float | None:
 class Runs:
     """The runs of one ``qllm-plan``: each point (policy, router, replicas, rate) is a run per
     seed of ``max(min_requests x replicas, rate x horizon_s)`` arrivals (``horizon_s`` None:
-    ``whole``, every request of the trace), made by ``pool`` unless ``cache`` holds it from the
-    same inputs (``fingerprints``: policy -> fingerprint)."""
+    ``max(min_requests x replicas, whole)``, every request of the trace, repeated where it is
+    shorter), made by ``pool`` unless ``cache`` holds it from the same inputs
+    (``fingerprints``: policy -> fingerprint)."""
 
     targets: Targets
     seeds: list[int]
@@ -385,8 +387,8 @@ class Runs:
     on_run: Any = None  # called after each run made (a progress bar's tick)
 
     def tasks(self, policy: str, router: str, replicas: int, rate: float) -> list[tuple]:
-        if self.horizon_s is None:
-            n = self.whole
+        if self.horizon_s is None:  # the whole trace, repeated where it is short of
+            n = max(self.whole, self.min_requests * replicas)  # min_requests per replica
         else:
             n = num_requests(rate, self.horizon_s, self.min_requests, replicas)
         return [(policy, router, replicas, rate, seed, n, tuple(self.overrides))
@@ -603,11 +605,11 @@ def main(argv=None) -> int:
     if whole is not None and horizon_s is None:
         short = [n for n in sorted(args.replicas) if whole < args.min_requests * n]
         if short:
-            print(f"qllm-plan: warning: the trace's {whole} requests are fewer than "
+            print(f"qllm-plan: note: the trace's {whole} requests are fewer than "
                   f"--min-requests {args.min_requests} per replica on {short[0]} replicas and "
-                  "more: keeps_up is noisier there (the backlog's own swings weigh more against "
-                  "fewer arrivals); --horizon-s replays the trace repeated to at least "
-                  "--min-requests per replica", file=sys.stderr)  # fmt: skip
+                  "more: there it is replayed repeated to --min-requests per replica (its "
+                  "bursts recur), which keeps_up needs to tell a backlog from noise",
+                  file=sys.stderr)  # fmt: skip
     out = args.out or Path("results/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True, exist_ok=True)
     cache = Evaluations(out / "evaluations.csv")

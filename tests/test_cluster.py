@@ -448,10 +448,15 @@ def test_plan_replays_a_whole_trace_at_every_rate_unless_told_a_horizon(tmp_path
     assert "--horizon-s 80 replays only the first rate x 80 of the trace's 90 requests" in err
     runs = list(csv.DictReader((tmp_path / "part" / "evaluations.csv").open()))
     assert min(int(r["num_requests"]) for r in runs) == 20  # 0.25 req/s x 80 s
-    # on 5 replicas the whole trace (90) is fewer than 20 arrivals per replica: warned
-    assert plan.main([*common[:2], "5", *common[2:], "--out", str(tmp_path / "five")]) == 0
+    # on 5 replicas the whole trace (90) is fewer than 20 arrivals per replica: replayed
+    # repeated to 100 there (said), whole on 1 and 4
+    assert plan.main([*common[:2], "4", "5", *common[2:], "--out", str(tmp_path / "five")]) == 0
     err = capsys.readouterr().err
     assert "the trace's 90 requests are fewer than --min-requests 20 per replica on 5" in err
+    assert "replayed repeated to --min-requests per replica" in err
+    runs = list(csv.DictReader((tmp_path / "five" / "evaluations.csv").open()))
+    assert {(r["replicas"], r["num_requests"]) for r in runs} == {("1", "90"), ("4", "90"),
+                                                                   ("5", "100")}  # fmt: skip
 
 
 def test_plan_never_runs_ls_dedicated_on_fewer_replicas_than_it_reserves(tmp_path, capsys):
