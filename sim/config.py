@@ -134,36 +134,31 @@ class SimConfig:
     resume: bool = True  # skip a run whose directory already holds a summary.json
 
 
+def _name(value: Any) -> str:
+    """An enum-valued config key's value as its name (a plain config holds the string)."""
+    return value.value if isinstance(value, enum.Enum) else str(value)
+
+
+def _kind(cfg: Any) -> str:
+    return _name(cfg.workload.kind)
+
+
 # (group, key, the setting that makes it count, whether it does): a key set away from its
 # default where nothing reads it is warned of (not refused: a sweep over the setting that
 # decides, e.g. workload.arrival=poisson,gamma with workload.cv=2, sets it for some runs only)
-def _kind(cfg: Any) -> str:
-    kind = cfg.workload.kind
-    return kind.value if isinstance(kind, enum.Enum) else str(kind)
-
-
-def _arrival(cfg: Any) -> str:
-    arrival = cfg.workload.arrival
-    return arrival.value if isinstance(arrival, enum.Enum) else str(arrival)
-
-
-def _routing(cfg: Any) -> str:
-    routing = cfg.profile.routing
-    return routing.value if isinstance(routing, enum.Enum) else str(routing)
-
-
 IGNORED_UNLESS = [
     ("workload", "path", "workload.kind=sharegpt, card or trace",
      lambda c: _kind(c) in ("sharegpt", "card", "trace")),
     *[("workload", key, "workload.kind=sharegpt or card (its ShareGPT filter)",
        lambda c: _kind(c) in ("sharegpt", "card"))
       for key in ("min_tokens", "max_prompt_tokens", "max_total_tokens")],
-    ("workload", "cv", "workload.arrival=gamma", lambda c: _arrival(c) == "gamma"),
+    ("workload", "cv", "workload.arrival=gamma", lambda c: _name(c.workload.arrival) == "gamma"),
     ("workload", "period_s", "workload.peak_to_trough",
      lambda c: c.workload.get("peak_to_trough") is not None),
     *[("workload", key, "workload.kind=synthetic", lambda c: _kind(c) == "synthetic")
       for key in ("prompt", "output")],
-    ("profile", "routing_skew", "profile.routing=zipf", lambda c: _routing(c) == "zipf"),
+    ("profile", "routing_skew", "profile.routing=zipf",
+     lambda c: _name(c.profile.routing) == "zipf"),
     ("cluster", "ls_replicas", "cluster.router=ls_dedicated",
      lambda c: c.cluster.router == "ls_dedicated"),
 ]  # fmt: skip
