@@ -194,10 +194,12 @@ class ProfileSource:
                 print(f"warning: profile.path={path} was timed on the {timed} clock, these "
                       f"runs on the {clock} clock (clock={cfg.clock}): their errors mix the "
                       "two", file=sys.stderr)  # fmt: skip
-            # the results folder holds the profile its runs were predicted with
-            if self.directory.exists():
-                shutil.rmtree(self.directory)
-            shutil.copytree(Path(path), self.directory)
+            # the results folder holds the profile its runs were predicted with (unless the
+            # profile given is that folder's own: a rerun into the same results)
+            if Path(path).resolve() != self.directory:
+                if self.directory.exists():
+                    shutil.rmtree(self.directory)
+                shutil.copytree(Path(path), self.directory)
             self.profile = profile
             return
         from profiler.measure import Profiler, Settings, SettingsError

@@ -355,6 +355,13 @@ def test_a_profile_of_another_model_of_the_same_layers_and_experts_is_refused(tm
     # the results folder holds the profile given, not an earlier run's
     assert not (tmp_path / "out" / "profile" / "stale.txt").exists()
     assert (tmp_path / "out" / "profile" / "ops.csv").read_bytes() == (own / "ops.csv").read_bytes()
+    # a rerun into the same results, given the profile there: kept, not deleted before a copy
+    again = tmp_path / "out" / "profile"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("validate", overrides=["model=tiny-olmoe", f"profile.path={again}",
+                                             "device=cpu", "clock=cpu"])  # fmt: skip
+    ProfileSource(cfg, runner, info, tmp_path / "out", (1, 1, 1, 1))
+    assert (again / "ops.csv").read_bytes() == (own / "ops.csv").read_bytes()
 
 
 def test_a_run_that_page_faulted_is_warned_about():
