@@ -93,7 +93,7 @@ class PolicyConfig:
 
 @dataclass
 class SloConfig:
-    ls_ttft_s: float = 3.0
+    ls_ttft_s: float | None = 3.0  # null: LS has no TTFT SLO
     be_ttft_s: float | None = None  # null: BE has no TTFT SLO
     ls_tpot_s: float | None = None  # time per output token; null: none (goodput ignores it)
     be_tpot_s: float | None = None
@@ -260,8 +260,7 @@ def validate(cfg: Any) -> None:
         need(m.preemption == "recompute" or m.model == "paged", "memory.preemption",
              m.preemption, "swap needs memory.model=paged")  # fmt: skip
         need(m.swap_space_gib >= 0, "memory.swap_space_gib", m.swap_space_gib, "must be >= 0")
-    need(slo.ls_ttft_s > 0, "slo.ls_ttft_s", slo.ls_ttft_s, "must be > 0 seconds")
-    for key in ("be_ttft_s", "ls_tpot_s", "be_tpot_s"):
+    for key in ("ls_ttft_s", "be_ttft_s", "ls_tpot_s", "be_tpot_s"):
         value = getattr(slo, key, None)
         need(value is None or value > 0, f"slo.{key}", value, "must be > 0 seconds or null")
     c = getattr(cfg, "cluster", None)  # the real engine's config has no cluster group

@@ -221,21 +221,35 @@ def keeps_up(arrival_s, finish_s) -> float | None:
 
 
 def slo_problem(cfg) -> str | None:
-    """Why no run of this config can have a request with an SLO, which --goodput needs: LS
-    work always has one (slo.ls_ttft_s), but the workload makes no LS request and BE work has
-    none. None: some run can."""
-    be_slo = cfg.slo.be_ttft_s is not None or cfg.slo.be_tpot_s is not None
-    if not be_slo and cfg.workload.get("ls_fraction", 1.0) <= 0:
-        return ("--goodput: no request of this workload has an SLO (workload.ls_fraction=0 "
-                "makes no LS request): set slo.be_ttft_s")  # fmt: skip
-    return None
+    """Why no run of this config can have a request with an SLO, which --goodput needs: no
+    class with requests has one. None: some run can."""
+    slo = cfg.slo
+    ls_slo = slo.ls_ttft_s is not None or slo.ls_tpot_s is not None
+    be_slo = slo.be_ttft_s is not None or slo.be_tpot_s is not None
+    ls_fraction = cfg.workload.get("ls_fraction", 1.0)
+    if be_slo and ls_fraction < 1:
+        return None
+    if ls_slo and ls_fraction > 0:
+        return None
+    if not ls_slo and not be_slo:
+        return "--goodput: no class has an SLO (slo.ls_ttft_s and slo.ls_tpot_s are null)"
+    if not ls_slo:
+        return ("--goodput: no request of this workload has an SLO (workload.ls_fraction=1 "
+                "makes no BE request, and LS has none): set slo.ls_ttft_s")  # fmt: skip
+    return ("--goodput: no request of this workload has an SLO (workload.ls_fraction=0 "
+            "makes no LS request): set slo.be_ttft_s")  # fmt: skip
 
 
 def no_slo_problem(cfg, n: int) -> str:
     """Why a run of ``n`` requests has no request with an SLO (so no goodput)."""
+    slo = cfg.slo
+    if slo.ls_ttft_s is None and slo.ls_tpot_s is None:  # then BE has one (slo_problem)
+        drew, other = "no BE request (LS has no SLO)", "slo.ls_ttft_s"
+    else:
+        drew, other = "no LS request", "slo.be_ttft_s"
     return slo_problem(cfg) or (
-        f"--goodput: a run of {n} requests drew no LS request, so none has an SLO: raise "
-        "--min-requests (or set slo.be_ttft_s)")  # fmt: skip
+        f"--goodput: a run of {n} requests drew {drew}, so none has an SLO: raise "
+        f"--min-requests (or set {other})")  # fmt: skip
 
 
 @dataclass

@@ -146,6 +146,16 @@ def test_bad_values_fail_naming_the_key(override, key):
         simulate(cfg("workload.num_requests=5", override))
 
 
+def test_a_null_ls_ttft_slo_is_accepted_as_the_readme_says():
+    """slo.ls_ttft_s=null: LS has no TTFT SLO (null attainment), its TPOT SLO alone decides
+    its goodput."""
+    out = simulate(cfg("workload.num_requests=40", "slo.ls_ttft_s=null", "slo.ls_tpot_s=10"))
+    ls = out.summary["classes"]["LS"]
+    assert ls["count"] > 0
+    assert ls["slo_attainment"] is None
+    assert ls["goodput"] == 1.0  # every TPOT far under 10 s
+
+
 def test_bad_enum_is_rejected_at_compose_time():
     with pytest.raises(ConfigCompositionException, match="workload.arrival=sometimes") as info:
         cfg("workload.arrival=sometimes")

@@ -646,6 +646,20 @@ def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_pa
     assert not (tmp_path / "evaluations.csv").exists()  # refused before any run
 
 
+def test_plan_refuses_goodput_when_no_class_has_an_slo(tmp_path, capsys):
+    import sim.plan as plan
+
+    code = plan.main(["--replicas", "1", "--policies", "qllm", "--jobs", "1", "--horizon-s", "1",
+                      "--rate-lo", "1", "--min-requests", "10", "--out", str(tmp_path),
+                      "workload=synthetic", "slo.ls_ttft_s=null",
+                      "workload.output.tokens=4"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("qllm-plan: error: --goodput: no class has an SLO (slo.ls_ttft_s and "
+                       "slo.ls_tpot_s are null)"), err  # fmt: skip
+    assert not (tmp_path / "evaluations.csv").exists()
+
+
 def test_a_short_run_drawing_no_ls_request_blames_its_length(tmp_path, capsys):
     # 5 arrivals at a 1% LS share: this seed draws no LS request (asserted below), so the
     # run has no request with an SLO though the workload does
