@@ -7,7 +7,8 @@ in tokens, so that a policy's arithmetic (room = capacity - used) reads the same
   running sequence never runs out of KV cache.
 - ``paged`` (vLLM, SGLang): KV is allocated in blocks of ``block_size_tokens`` as a sequence's
   tokens are written; admission also keeps ``watermark`` of the capacity free, so the running
-  sequences have room to grow (vLLM's block-manager watermark). When a sequence cannot grow,
+  sequences have room to grow (vLLM V0's block-manager watermark, 0.01; V1 keeps none:
+  ``memory.watermark=0`` follows it). When a sequence cannot grow,
   the scheduler preempts one (see ``Scheduler.evict``), by ``preemption``: ``recompute`` (its
   blocks are freed) or ``swap`` (vLLM V0's swap preemption: the blocks of its written KV are
   copied to ``swap_capacity_tokens`` of host memory and back before it runs again; when the
@@ -61,6 +62,10 @@ class Memory:
     def try_grow(self, seq: Sequence) -> bool:
         """``can_grow``, and if so ``grow``, in one call."""
         return True
+
+    def grow_tokens(self, seq: Sequence) -> int:
+        """What ``grow`` would charge a running sequence for its next iteration."""
+        return 0
 
     def free(self, seq: Sequence) -> int:
         raise NotImplementedError
@@ -190,6 +195,9 @@ class PagedMemory(Memory):
         if need > 0:
             self.blocks[seq.id] = self.blocks.get(seq.id, 0) + need // self.block_size_tokens
             self.hold(need)
+
+    def grow_tokens(self, seq: Sequence) -> int:
+        return max(self._need(seq), 0)
 
     def add_blocks(self, seq: Sequence, blocks: int) -> None:
         """Charge ``blocks`` more blocks to a sequence that holds some (a fast-forwarded run's

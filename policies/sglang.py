@@ -8,20 +8,27 @@ Reproduces, as read in SGLang's main branch of 2025 (the v0.5 series):
 - ``SchedulePolicy`` with priority scheduling (python/sglang/srt/managers/schedule_policy.py):
   the waiting queue in priority order (``ls_priority`` for LS, ``be_priority`` for BE; larger
   is more important, SGLang's default sign), arrival order within a priority.
-- ``PrefillAdder.preempt_to_schedule`` (same file): a waiting request that finds no free slot
-  (``max_batch_size``, SGLang's max_running_requests) or no KV room preempts running requests
-  whose priority is lower than its own by more than ``priority_scheduling_preemption_threshold``
-  (strictly, as SGLang compares), lowest priority then latest arrival first, until it fits;
-  when those are not enough nothing is preempted and admission stops. Preempted requests free
-  their KV and are requeued (recomputed later).
+- ``PrefillAdder.preempt_to_schedule`` (same file), as ``get_new_batch_prefill`` calls it: a
+  waiting request that finds no free slot (``max_batch_size``, SGLang's
+  max_running_requests) preempts running requests whose priority is lower than its own by
+  more than ``priority_scheduling_preemption_threshold`` (strictly, as SGLang compares),
+  lowest priority then latest arrival first, until it has a slot and its KV fits; when those
+  are not enough nothing is preempted and admission stops. A request that has a slot but no
+  KV room stops admission (SGLang's ``NO_TOKEN``) and preempts nobody. Preempted requests
+  free their KV and are requeued (recomputed later).
 - ``ScheduleBatch.retract_decode`` (python/sglang/srt/managers/schedule_batch.py): when the
   running requests cannot all grow, requests are retracted, fewest generated tokens first and
   then longest prompt, until the others fit; they are requeued and recomputed.
 
-Not modelled: chunked prefill, the radix (prefix) cache, ``new_token_ratio`` (SGLang's estimate
-of future decode tokens held back at admission; the memory model's watermark plays that part
-under ``paged``), and ``retract_decode_steps`` of headroom. Retraction here is class-blind, as
-in SGLang. Memory is the configured model (``memory.model``; SGLang's own is ``paged``).
+Not modelled: chunked prefill, the radix (prefix) cache, and SGLang's admission budget
+(``PrefillAdder``: a new request is charged its prompt plus its ``max_new_tokens``, and the
+running requests their remaining outputs times ``new_token_ratio``, which starts at 0.7 and
+decays per decode step; ``retract_decode_steps`` of headroom). Here admission charges the
+prompt's KV only (under ``paged``: its blocks, the watermark kept free), so this policy
+admits more readily than SGLang and retracts more often under memory pressure. Preempted and
+retracted requests go back to the front of their queue (SGLang re-queues them behind the
+requests waiting, by a new entry time). Retraction here is class-blind, as in SGLang. Memory
+is the configured model (``memory.model``; SGLang's own is ``paged``).
 """
 
 from __future__ import annotations
@@ -62,11 +69,12 @@ class SGLang(Policy):
         for seq in self._waiting(s):
             if taken and tokens + seq.new_tokens > self.max_batch_prefill_tokens:
                 break
-            full = running + len(taken) >= self.max_batch_size
-            if full or not s.fits(s.memory.admit_tokens(seq)):
-                if not self._preempt_for(s, seq, full):
+            if running + len(taken) >= self.max_batch_size:  # no slot: preempt for one
+                if not self._preempt_for(s, seq):
                     break
                 running = len(s.ready[LS]) + len(s.ready[BE])  # the preempted left
+            elif not s.fits(s.memory.admit_tokens(seq)):
+                break  # no KV room (SGLang's NO_TOKEN): admission stops, nothing is preempted
             admitted = s.take_prefill([seq], 1, seq.new_tokens)
             if not admitted:
                 break
@@ -104,9 +112,11 @@ class SGLang(Policy):
         first, second = (LS, BE) if self.priority[LS] > self.priority[BE] else (BE, LS)
         return list(s.waiting[first]) + list(s.waiting[second])
 
-    def _preempt_for(self, s: Scheduler, seq: Sequence, need_slot: bool) -> bool:
-        """SGLang's ``preempt_to_schedule``: free a slot (when the batch is full) and enough KV
-        for ``seq`` from running requests of sufficiently lower priority, or preempt none."""
+    def _preempt_for(self, s: Scheduler, seq: Sequence) -> bool:
+        """SGLang's ``preempt_to_schedule``, asked when the batch is full: free a slot and
+        enough KV for ``seq`` from running requests of sufficiently lower priority, or
+        preempt none. A victim is credited the KV it holds (SGLang credits its reserved
+        remaining tokens)."""
         if not self.enable_priority_preemption:
             return False
         mine = self.priority[seq.cls]
@@ -115,7 +125,7 @@ class SGLang(Policy):
         short = s.kv_used_tokens + s.memory.admit_tokens(seq) - s.memory.admission_limit_tokens
         chosen: list[Sequence] = []
         for q in running:
-            if short <= 0 and (chosen or not need_slot):
+            if short <= 0 and chosen:
                 break
             chosen.append(q)
             short -= s.memory.held_tokens(q)

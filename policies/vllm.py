@@ -3,12 +3,14 @@
 Reproduces ``Scheduler.schedule`` of vLLM V1 (vllm/v1/core/sched/scheduler.py, as in the
 v0.9-v0.11 releases):
 
-- One engine step first schedules the running requests (one decode token each), then the
-  waiting ones, in queue order, while ``max_num_seqs`` running requests, the step's token budget
-  ``max_num_batched_tokens`` (minus the running decodes) and the KV cache allow; the first
-  waiting request that does not fit stops admission (no overtaking). A waiting request never
-  displaces a running one: once ``max_num_seqs`` requests run, an LS arrival waits for one to
-  finish (vLLM issue #40004).
+- One engine step is one iteration (one scheduler output, one forward pass): first the
+  running requests (one decode token each), then the waiting ones, in queue order, while
+  ``max_num_seqs`` running requests, the step's token budget ``max_num_batched_tokens``
+  (minus the running decodes) and the KV cache allow; the first waiting request that does not
+  fit stops admission (no overtaking). The running requests' blocks come first: admission
+  leaves room for the blocks they write in the step, and a step whose running requests cannot
+  all grow (they preempt) admits none. A waiting request never displaces a running one: once
+  ``max_num_seqs`` requests run, an LS arrival waits for one to finish (vLLM issue #40004).
 - ``scheduling_policy``: ``fcfs`` (one waiting queue in arrival order) or ``priority`` (a heap
   on (priority, arrival): LS requests, priority 0, before BE, priority 1).
 - When a running request cannot get a KV block for its next token, a victim is preempted by
@@ -20,20 +22,22 @@ v0.9-v0.11 releases):
   V1 only recomputes; ``memory.preemption=swap`` gives V0's swap preemption instead (a
   swapped-out request is swapped back in when it is admitted again, before new prompts).
 
-- ``enable_chunked_prefill`` (vLLM's default is true; ours false): one step is one mixed
-  iteration. The running requests come first, in admission order, each taking one decode
-  token, or the next chunk of its prompt (as much as the budget leaves) when its prefill is
-  unfinished; then waiting requests, each taking a chunk of what is left. A prompt is thus
-  split over several iterations, and its first token comes with its last chunk. False: a step
-  that admits requests runs as a decode iteration of the running requests followed by a
-  prefill iteration of the admitted ones (a batch is then one phase), and a prompt longer than
-  the token budget is admitted alone.
+- ``enable_chunked_prefill`` (vLLM's default is true; ours false): the running requests come
+  first, in admission order, each taking one decode token, or the next chunk of its prompt (as
+  much as the budget leaves) when its prefill is unfinished; then waiting requests, each taking
+  a chunk of what is left. A prompt is thus split over several iterations, and its first token
+  comes with its last chunk. False: whole prompts only, so a prompt longer than what the budget
+  leaves stops admission (V1's ``num_new_tokens > token_budget``); the step is a decode, a
+  prefill or a mixed iteration of both. V1 refuses a ``max_num_batched_tokens`` below the
+  model's length when chunking is off; here a longer prompt runs alone when nothing else
+  does, so that it cannot block its queue for ever.
 
-Not modelled: prefix caching, speculative decoding, ``long_prefill_token_threshold``. A
-chunk's attention over its cached prefix costs the profile's ``attn_chunk`` (a prefill of its
-own tokens in a profile without it). Growth preemptions are decided after a step is chosen
-(when its batch is charged), so "a step that preempted admits nothing" applies to the step
-after it.
+Not modelled: prefix caching, speculative decoding, ``long_prefill_token_threshold``; under
+``priority``, a running request that preempts itself does not stop the others' turn (V1 stops
+scheduling running requests there). A chunk's attention over its cached prefix costs the
+profile's ``attn_chunk`` (a prefill of its own tokens in a profile without it). Growth
+preemptions are decided after a step is chosen (when its batch is charged); admission leaves
+room for them beforehand, as above.
 Memory is the configured model (``memory.model``; vLLM's own is ``paged``). The real engine
 runs both forms.
 """
@@ -44,7 +48,7 @@ import heapq
 import math
 
 from policies.core import BE, LS, Batch, Granularity, Phase, Request, Sequence
-from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch, priority_victim_key
+from policies.scheduler import Policy, Scheduler, priority_victim_key
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -75,61 +79,58 @@ class VLLM(Policy):
         )
         self.priority = scheduling_policy == "priority"
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.decoded = False  # this step's running requests have run; admission comes next
         self.kv_preemptions_seen = 0  # recomputes + swaps when the last step was chosen
 
     def select(self, s: Scheduler, now: float) -> Batch | None:
-        if self.enable_chunked_prefill:
-            return self._step(s)
-        running = len(s.ready[LS]) + len(s.ready[BE])
-        if running and not self.decoded:
-            return self._decode(s, running)
-        self.decoded = False
+        """One engine step, one iteration: the running requests, then waiting ones (V1 puts
+        both in one scheduler output, one forward pass, chunked prefill or not)."""
         preempted = s.kv_preemptions != self.kv_preemptions_seen
-        room = self.max_batch_size - running
-        if room > 0 and not (preempted and running):  # none left running: admit again
-            budget = self.max_batch_prefill_tokens - running
-            seqs = s.take_prefill(self._waiting(s), room, budget)
-            if seqs:
-                return prefill_batch(seqs)
-        return self._decode(s, running) if running else None
-
-    def _step(self, s: Scheduler) -> Batch | None:
-        """One mixed iteration under the token budget: running requests, then waiting ones."""
-        preempted = s.kv_preemptions != self.kv_preemptions_seen
+        chunked = self.enable_chunked_prefill
         budget = self.max_batch_prefill_tokens
-        running = sorted([*s.ready[LS], *s.ready[BE], *s.prefilling], key=lambda q: q.admission)
+        running = sorted([*s.ready[LS], *s.ready[BE], *s.prefilling], key=_admission)
         seqs = []
         for q in running:
             if budget <= 0:
                 break
-            if q.phase is Phase.PREFILL:
+            if q.phase is Phase.PREFILL:  # a chunked prefill under way (chunked mode only)
                 q.chunk_tokens = min(q.prefill_left_tokens, budget)
                 s.prefilling.remove(q)
             else:
                 s.ready[q.cls].remove(q)
             seqs.append(q)
             budget -= q.new_tokens
-        if not (preempted and running):
+        self.kv_preemptions_seen = s.kv_preemptions
+        # V1 allocates the running requests' blocks first and admits no waiting request in a
+        # step that preempted: admission leaves room for what the running write in this step,
+        # and none is tried when they cannot all grow (the scheduler then preempts for them)
+        room = s.memory.capacity_tokens - s.kv_used_tokens
+        growth = sum([s.memory.grow_tokens(q) for q in seqs]) if s.memory.grows else 0
+        if not (preempted and running) and growth <= room:
             slots = self.max_batch_size - len(running)
             for q in list(self._waiting(s)):
                 if budget <= 0 or slots <= 0:
                     break
-                q.chunk_tokens = min(q.prefill_left_tokens, budget)
-                if not s.take_prefill([q], 1, q.chunk_tokens):
+                if chunked:
+                    q.chunk_tokens = min(q.prefill_left_tokens, budget)
+                elif q.prefill_left_tokens > budget and (seqs or running):
+                    break  # a whole prompt only; one longer than the whole budget runs alone
+                tokens = q.new_tokens
+                if not s.fits(s.memory.admit_tokens(q) + growth) or not s.take_prefill(
+                    [q], 1, tokens
+                ):
                     q.chunk_tokens = 0
                     break
                 seqs.append(q)
-                budget -= q.chunk_tokens
+                budget -= tokens
                 slots -= 1
-        self.kv_preemptions_seen = s.kv_preemptions
-        return Batch(seqs, Phase.MIXED) if seqs else None
-
-    def _decode(self, s: Scheduler, running: int) -> Batch | None:
-        self.decoded = True
-        self.kv_preemptions_seen = s.kv_preemptions
-        seqs = s.take_ready(LS, running) + s.take_ready(BE, running)
-        return decode_batch(sorted(seqs, key=lambda q: q.admission))
+        if not seqs:
+            return None
+        if chunked:
+            return Batch(seqs, Phase.MIXED)
+        prefills = sum(q.phase is Phase.PREFILL for q in seqs)
+        if prefills == 0:
+            return Batch(seqs, Phase.DECODE)
+        return Batch(seqs, Phase.PREFILL if prefills == len(seqs) else Phase.MIXED)
 
     def decode_run(self, s: Scheduler, batch: Batch) -> float:
         """After a decode the next step tries admission: the decodes go on while it fails (on
@@ -139,7 +140,8 @@ class VLLM(Policy):
         room = self.max_batch_size - batch.size
         if room > 0 and (s.waiting[LS] or s.waiting[BE]):
             budget = self.max_batch_prefill_tokens - batch.size
-            if s.take_prefill(self._waiting(s), room, budget, dry_run=True):
+            if s.take_prefill(self._waiting(s), room, budget, dry_run=True,
+                              alone_if_oversized=False):  # fmt: skip
                 return 1
         return math.inf
 
@@ -151,7 +153,8 @@ class VLLM(Policy):
         if room <= 0 or next(iter(self._waiting(s))) is not seq:
             return math.inf
         budget = self.max_batch_prefill_tokens - batch.size
-        return 1 if s.take_prefill([seq], room, budget, dry_run=True) else math.inf
+        fits = s.take_prefill([seq], room, budget, dry_run=True, alone_if_oversized=False)
+        return 1 if fits else math.inf
 
     def arrival_ends_run(self, s: Scheduler, batch: Batch, request: Request) -> bool:
         """With room in the batch, a request that heads the waiting queue on arrival is
@@ -179,6 +182,10 @@ class VLLM(Policy):
 def _class_order(s: Scheduler):
     yield from s.waiting[LS]
     yield from s.waiting[BE]
+
+
+def _admission(q: Sequence) -> int:
+    return q.admission
 
 
 def _fcfs_key(q: Sequence) -> tuple:

@@ -110,7 +110,7 @@ class ClusterConfig:
 class MemoryConfig:
     model: str = "reserve"  # reserve (TGI: prompt + output on admission) | paged (vLLM, SGLang)
     block_size_tokens: int = 16  # paged: KV block size
-    watermark: float = 0.01  # paged: fraction of blocks admission keeps free (vLLM V0's 0.01)
+    watermark: float = 0.01  # paged: blocks admission keeps free (vLLM V0's 0.01; V1: 0)
     preemption: str = "recompute"  # paged: recompute | swap (KV to host, vLLM V0's other mode)
     swap_space_gib: float = 4.0  # swap: host memory for swapped-out KV (vLLM's swap_space)
 

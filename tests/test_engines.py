@@ -33,8 +33,8 @@ def test_vllm_40004_a_waiting_ls_request_waits_while_max_num_seqs_be_requests_ru
     while not be[0].done:
         batch = step(s)
         assert ids(batch) == [0, 1] and ls.scheduled_s is None
-    batch = step(s)
-    assert ids(batch) == [2] and batch.phase is Phase.PREFILL
+    batch = step(s)  # one step: the running BE request's decode and the LS prefill
+    assert ids(batch) == [1, 2] and batch.phase is Phase.MIXED
 
 
 def test_vllm_priority_admits_ls_before_earlier_be():
@@ -79,7 +79,24 @@ def test_vllm_admits_nothing_in_a_step_that_preempted():
     ls = s.arrive(req(2, "LS", prompt=1, out=1, t=1), 1)  # one block is free: it fits
     assert s.next_batch(1).phase is Phase.DECODE and ls.scheduled_s is None
     s.complete_iteration(1)
-    assert ids(s.next_batch(1)) == [2]  # the next step admits it
+    assert ids(s.next_batch(1)) == [0, 2]  # the next step admits it, beside BE 0's decode
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_vllm_grows_the_running_requests_before_it_admits(chunked):
+    """V1 allocates the running requests' blocks first: an LS arrival that would take the two
+    blocks that two running BE requests need in this step waits, rather than being admitted
+    and a BE request preempted for it."""
+    s = Scheduler(VLLM(scheduling_policy="priority", enable_chunked_prefill=chunked),
+                  kv_capacity_tokens=24, memory=paged(24))  # fmt: skip
+    be = [s.arrive(req(0, out=20), 0), s.arrive(req(1, out=20), 0)]
+    while be[0].generated < 5:
+        step(s)
+    assert s.kv_used_tokens == 16  # 2 blocks each of 6; the next decode needs a third each
+    ls = s.arrive(req(2, "LS", prompt=1, out=1, t=1), 1)
+    batch = s.next_batch(1)
+    assert ids(batch) == [0, 1] and ls.scheduled_s is None
+    assert s.recomputes == 0 and s.kv_used_tokens == 24
 
 
 def test_vllm_options_are_checked_by_name():
@@ -111,14 +128,22 @@ def test_sglang_threshold_is_strict_and_can_turn_preemption_off():
         assert ids(step(s)) == [0, 1] and s.recomputes == 0  # LS (100) - BE (0) is not > 100
 
 
-def test_sglang_ls_preempts_be_for_kv_room_until_it_fits_or_not_at_all():
+def test_sglang_preempts_for_a_slot_never_for_kv_room_alone():
+    """As SGLang's get_new_batch_prefill: a free slot but no KV room stops admission (NO_TOKEN)
+    and preempts nobody; a full batch preempts lower-priority requests until the LS request
+    has a slot and its KV fits, or none."""
     s = Scheduler(SGLang(), kv_capacity_tokens=40, memory=paged(40))
     be = [s.arrive(req(i, prompt=8, out=4, t=0.1 * i), 0) for i in range(3)]  # 6 blocks
     step(s)
-    s.arrive(req(3, "LS", prompt=20, out=4, t=1), 1)  # 5 blocks + 6 > 10: one BE must go
-    assert ids(step(s)) == [3]
+    s.arrive(req(3, "LS", prompt=20, out=4, t=1), 1)  # 5 blocks + 6 > 10, a slot free
+    assert step(s).phase is Phase.DECODE and s.recomputes == 0
+    full = Scheduler(SGLang(max_batch_size=3), kv_capacity_tokens=40, memory=paged(40))
+    be = [full.arrive(req(i, prompt=8, out=4, t=0.1 * i), 0) for i in range(3)]
+    step(full)
+    full.arrive(req(3, "LS", prompt=20, out=4, t=1), 1)  # no slot: one BE goes, and KV fits
+    assert ids(step(full)) == [3]
     assert [q.recomputes for q in be] == [0, 0, 1]
-    s2 = Scheduler(SGLang(), kv_capacity_tokens=40, memory=paged(40))
+    s2 = Scheduler(SGLang(max_batch_size=3), kv_capacity_tokens=40, memory=paged(40))
     for i in range(3):
         s2.arrive(req(i, "LS", prompt=8, out=4), 0)
     step(s2)

@@ -381,8 +381,10 @@ def test_an_arrival_in_a_paged_run_sees_the_blocks_allocated_by_then(monkeypatch
     events. (Without the hint that plans a run only up to an arrival that would end it: with
     it, such runs end at that arrival either way.)"""
     monkeypatch.setattr(VLLM, "arrival_ends_run", Policy.arrival_ends_run)
+    # a queue often empty, a cache that fills
     overrides = [*POLICIES["vllm-priority"], *WORKLOADS["conv"], "profile=h200-mixtral-bf16",
-                 "memory.model=paged", "profile.kv_capacity_tokens=40000"]  # fmt: skip
+                 "memory.model=paged", "profile.kv_capacity_tokens=20000",
+                 "workload.rate=2"]  # fmt: skip
     synced, ref = run(overrides, True), run(overrides, False)
     monkeypatch.setattr(Simulation, "sync_run", lambda self: None)
     unsynced = run(overrides, True)

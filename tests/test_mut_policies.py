@@ -39,11 +39,11 @@ def test_vllm_admits_within_the_budget_left_by_the_running_decodes_without_overt
     assert ids(step(s)) == [0, 1]
     for i, prompt in ((2, 5), (3, 4), (4, 1)):
         s.arrive(req(i, prompt=prompt, t=1), 1)
-    batch = step(s, 1)  # a step: the running requests decode first...
-    assert batch.phase is Phase.DECODE and ids(batch) == [0, 1]
-    batch = step(s, 1)  # ... then the admitted prefill
-    assert batch.phase is Phase.PREFILL and ids(batch) == [2]
-    assert ids(step(s, 1)) == [0, 1, 2]
+    batch = s.next_batch(1)  # one step, one iteration: the running requests' decodes, a prefill
+    assert batch.phase is Phase.MIXED and ids(batch) == [0, 1, 2]
+    assert [q.new_tokens for q in batch.sequences] == [1, 1, 5]  # the whole prompt: 5 + 4 > 8
+    s.complete_iteration(1)
+    assert ids(step(s, 1)) == [0, 1, 2, 3]  # 4 tokens now fit: 3 decodes + 4 <= 10
 
 
 def test_vllm_admits_only_into_free_slots():
@@ -53,9 +53,8 @@ def test_vllm_admits_only_into_free_slots():
     step(s)
     for i in (2, 3):
         s.arrive(req(i, t=1), 1)
-    step(s, 1)  # decode
-    assert ids(step(s, 1)) == [2]  # one slot left
-    assert ids(step(s, 1)) == [0, 1, 2]
+    assert ids(step(s, 1)) == [0, 1, 2]  # one slot left: two decodes and one prefill
+    assert ids(step(s, 1)) == [0, 1, 2] and [q.id for q in s.waiting["BE"]] == [3]
 
 
 def test_chunked_vllm_admits_only_into_free_slots():
@@ -231,9 +230,10 @@ def test_sglang_preempts_the_higher_id_among_equal_arrivals():
     assert ids(step(s)) == [2] and [q.recomputes for q in be] == [0, 1]
 
 
-def _sglang_two_be_holding_20_of_30(ls_first=False):
-    """Reserve memory of 30: two BE requests hold 10 each (or an LS one and a BE one)."""
-    s = Scheduler(SGLang(), kv_capacity_tokens=30)
+def _sglang_two_be_holding_20_of_30(ls_first=False, slots=2):
+    """Reserve memory of 30: two BE requests hold 10 each (or an LS one and a BE one), in a
+    batch of ``slots`` (2: full, so that an LS arrival preempts for a slot)."""
+    s = Scheduler(SGLang(max_batch_size=slots), kv_capacity_tokens=30)
     first = s.arrive(req(0, "LS" if ls_first else "BE", prompt=4, out=6), 0)
     second = s.arrive(req(1, prompt=4, out=6, t=0.1), 0.1)
     step(s)
@@ -241,19 +241,20 @@ def _sglang_two_be_holding_20_of_30(ls_first=False):
 
 
 @pytest.mark.parametrize(
-    ("need", "ls_first", "admitted", "recomputes"),
+    ("need", "ls_first", "admitted", "recomputes", "slots"),
     [
-        (11, False, True, 1),  # 1 token short: the latest BE goes, and only it
-        (20, False, True, 1),  # exactly one BE's 10: it is enough
-        (21, False, True, 2),  # 1 more than one BE frees: both go
-        (21, True, False, 0),  # only one BE to preempt, 1 token short: none goes
-        (20, True, True, 1),
+        (11, False, True, 1, 2),  # a full batch, 1 token short: the latest BE goes, only it
+        (20, False, True, 1, 2),  # exactly one BE's 10: it is enough
+        (21, False, True, 2, 2),  # 1 more than one BE frees: both go
+        (21, True, False, 0, 2),  # only one BE to preempt, 1 token short: none goes
+        (20, True, True, 1, 2),
+        (11, False, False, 0, 3),  # a free slot: no KV room stops admission, nobody preempted
     ],
 )
 def test_sglang_preempts_for_kv_only_what_makes_the_ls_request_fit(
-    need, ls_first, admitted, recomputes
+    need, ls_first, admitted, recomputes, slots
 ):
-    s, first, second = _sglang_two_be_holding_20_of_30(ls_first)
+    s, first, second = _sglang_two_be_holding_20_of_30(ls_first, slots)
     ls = s.arrive(req(2, "LS", prompt=need - 6, out=6, t=1), 1)
     batch = s.next_batch(1)
     assert (ls in batch.sequences) is admitted
