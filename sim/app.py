@@ -104,6 +104,7 @@ def main(cfg: DictConfig) -> float | None:
             # profile and workload file
             same = summary.get("config") == config
             if cfg.resume and same and summary.get("inputs") == inputs:
+                save_config(cfg, run_dir)  # Hydra rewrote it on launch: the profile's name
                 print(f"skipping finished run {run_dir}", flush=True)
                 return summary["classes"]["LS"]["ttft_s"]["mean"]
             if cfg.resume:
@@ -127,10 +128,16 @@ def rerun_reason(before: dict | None, now: dict) -> str:
     return " and ".join(what.get(k, k) for k in changed) + " changed since it finished"
 
 
-def run_job(cfg: DictConfig, run_dir: Path, config: dict, inputs: dict) -> float | None:
+def save_config(cfg: DictConfig, run_dir: Path) -> None:
+    """Hydra's copy of the run's config, with the profile's own name (Hydra wrote the name the
+    command gave, which ``profile.path`` overrides)."""
     hc = HydraConfig.get()
-    if hc.output_subdir is not None:  # Hydra's copy, now with the profile's own name
+    if hc.output_subdir is not None:
         OmegaConf.save(cfg, run_dir / hc.output_subdir / "config.yaml")
+
+
+def run_job(cfg: DictConfig, run_dir: Path, config: dict, inputs: dict) -> float | None:
+    save_config(cfg, run_dir)
     try:
         out = simulate(cfg)
     except UserError as e:

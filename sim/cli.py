@@ -108,6 +108,8 @@ def prepare(app: App, argv: list[str]) -> Plan:
         if "hydra.sweep.dir" not in given:
             argv = [*argv, f"hydra.sweep.dir={sweep_dir}"]  # resolved once, stated in messages
         jobs = [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+        if len(jobs) > len(combos) and app.check is not None:
+            check_jobs(app, jobs)
         return Plan(argv, multirun=True, directory=sweep_dir, jobs=jobs)
     if not app.run_dir_per_run:
         return Plan(argv)
@@ -142,6 +144,32 @@ def value_combinations(overrides: list[Override]) -> list[list[str]]:
     for i, values in swept.items():
         combos += [[*first[:i], v, *first[i + 1 :]] for v in values[1:]]
     return combos
+
+
+def check_jobs(app: App, jobs: list[list[str]]) -> None:
+    """The cross-field checks on every job of a sweep's product (``value_combinations``
+    checks each value once; a combination such as ``cluster.router=ls_dedicated`` with
+    ``cluster.replicas=1`` is wrong only together): one composition per distinct choice of
+    config groups, each job's plain values set on a copy of it."""
+    parser = OverridesParser.create()
+    base: dict[tuple[str, ...], DictConfig] = {}
+    for job in jobs:
+        parsed = parser.parse_overrides(job)
+        groups = tuple(line for line, o in zip(job, parsed, strict=True)
+                       if o.key_or_group in app.groups or o.type != OverrideType.CHANGE
+                       or o.is_hydra_override())  # fmt: skip
+        if groups not in base:
+            base[groups] = compose_or_explain(app, list(groups))
+        cfg = base[groups].copy()
+        try:
+            for line, o in zip(job, parsed, strict=True):
+                if line not in groups:
+                    OmegaConf.update(cfg, o.key_or_group, o.value(), merge=False)
+            app.check(cfg)
+        except UserError as e:
+            raise UserError(f"{e} (in the sweep's run {' '.join(job)})") from None
+        except Exception:  # a value only Hydra's composition can apply: checked at launch
+            continue
 
 
 def _line(o: Override, value: str) -> str:
@@ -225,6 +253,7 @@ def check_added_keys(app: App, overrides: list[Override]) -> None:
 # ------------------------------------------------------------------------------ run directories
 _held: list[int] = []  # directory locks held until the process ends
 _created: list[Path] = []  # directories claim_run_dir made, deepest first
+_logs_before: dict[Path, set[Path]] = {}  # a claimed directory's *.log files before the run
 
 
 def lock(directory: Path) -> int | None:
@@ -243,6 +272,7 @@ def claim_run_dir(run_dir: Path) -> None:
     if (run_dir / FINISHED).exists():
         raise UserError(f"hydra.run.dir={run_dir}: already holds a finished run; choose another "
                         "directory")  # fmt: skip
+    _logs_before[run_dir] = set(run_dir.glob("*.log")) if run_dir.is_dir() else set()
     missing = run_dir
     while not missing.exists():
         _created.append(missing)
@@ -264,8 +294,10 @@ def discard_unfinished(run_dir: Path) -> None:
     if (run_dir / FINISHED).exists():
         return
     shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
-    for leftover in run_dir.glob("*.log"):
-        leftover.unlink()
+    before = _logs_before.get(run_dir, set())
+    for leftover in run_dir.glob("*.log"):  # Hydra's log of this run, not a file of the user's
+        if leftover not in before:
+            leftover.unlink()
     for directory in _created if run_dir in _created else [run_dir]:
         try:
             directory.rmdir()

@@ -161,8 +161,13 @@ IGNORED_UNLESS = [
      lambda c: _name(c.profile.routing) == "zipf"),
     ("cluster", "ls_replicas", "cluster.router=ls_dedicated",
      lambda c: c.cluster.router == "ls_dedicated"),
+    *[("memory", key, "memory.model=paged", lambda c: c.memory.model == "paged")
+      for key in ("block_size_tokens", "watermark")],
+    ("memory", "swap_space_gib", "memory.model=paged memory.preemption=swap",
+     lambda c: c.memory.model == "paged" and c.memory.preemption == "swap"),
 ]  # fmt: skip
-DEFAULTS = {"workload": WorkloadConfig(), "profile": ProfileConfig(), "cluster": ClusterConfig()}
+DEFAULTS = {"workload": WorkloadConfig(), "profile": ProfileConfig(), "cluster": ClusterConfig(),
+            "memory": MemoryConfig()}  # fmt: skip
 
 
 def ignored_keys(cfg: Any) -> list[str]:

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
+import inspect
 import json
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 from sim import profiles
 
@@ -33,6 +37,48 @@ def code_digest() -> str:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             h.update(str(path.relative_to(ROOT)).encode() + b"\0")
             h.update(path.read_bytes() + b"\0")
+    return _digest(h)
+
+
+def _targets(node: Any) -> list[str]:
+    """Every ``_target_`` (a class Hydra instantiates) in a resolved config."""
+    if isinstance(node, dict):
+        own = [node["_target_"]] if isinstance(node.get("_target_"), str) else []
+        return own + [t for v in node.values() for t in _targets(v)]
+    if isinstance(node, list):
+        return [t for v in node for t in _targets(v)]
+    return []
+
+
+def _outside_sources(target: str) -> list[Path]:
+    """The source files of a ``_target_`` class and its bases that lie outside the code
+    packages (a user's own policy module); none when it cannot be imported (the run fails
+    then, naming it)."""
+    module, _, name = target.rpartition(".")
+    try:
+        klass = getattr(importlib.import_module(module), name)
+        classes = klass.__mro__ if isinstance(klass, type) else (klass,)
+        files = {inspect.getsourcefile(c) for c in classes if c.__module__ != "builtins"}
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+    inside = [ROOT / pkg for pkg in CODE_PACKAGES]
+    out = []
+    for f in sorted(f for f in files if f):
+        path = Path(f).resolve()
+        if not any(path.is_relative_to(d) for d in inside):
+            out.append(path)
+    return out
+
+
+def config_code_digest(config: dict) -> str:
+    """``code_digest``, with the sources of any ``_target_`` class outside the code packages
+    (``policy._target_=mymodule.MyPolicy``): editing such a module must rerun its runs too."""
+    extra = sorted({p for t in _targets(config) for p in _outside_sources(t)})
+    if not extra:
+        return code_digest()
+    h = hashlib.sha256(code_digest().encode())
+    for path in extra:
+        h.update(str(path).encode() + b"\0" + file_digest(path).encode())
     return _digest(h)
 
 
@@ -85,8 +131,9 @@ def inputs(cfg: Any) -> dict[str, str | None]:
     packages = DATA_PACKAGES.get(kind, ())
     if workload is not None and kind == "sharegpt":  # its own file; still the tokenizer's
         packages = ("mistral-common",)
+    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     return {
-        "code": code_digest(),
+        "code": config_code_digest(plain) if isinstance(plain, dict) else code_digest(),
         "profile": dir_digest(profile),
         "workload": file_digest(workload) if workload is not None and workload.is_file() else None,
         "data": ", ".join(_version(p) for p in packages) or None,

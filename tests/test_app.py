@@ -303,6 +303,37 @@ def test_the_code_digest_changes_with_any_simulator_source(tmp_path, monkeypatch
         provenance.code_digest.cache_clear()
 
 
+def test_the_code_digest_covers_a_policy_module_outside_the_code_packages(tmp_path, monkeypatch):
+    """policy._target_ naming a user's module: editing that module must rerun its runs (a
+    sweep and a plan search reuse a run only when the code digest is today's)."""
+    from sim import provenance
+
+    (tmp_path / "mypolicy.py").write_text(
+        "from policies.iteration import IterationFCFS\n\nclass Mine(IterationFCFS):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    overrides = ["policy=iteration", "policy._target_=mypolicy.Mine"]
+    before = provenance.inputs(cfg(*overrides))["code"]
+    assert before != provenance.code_digest()  # the module counts
+    assert provenance.inputs(cfg("policy=iteration"))["code"] == provenance.code_digest()
+    with (tmp_path / "mypolicy.py").open("a") as f:
+        f.write("    max_waiting_tokens = 1\n")
+    assert provenance.inputs(cfg(*overrides))["code"] != before
+
+
+def test_a_failed_run_leaves_the_users_own_log_files(tmp_path):
+    """A single run into an existing directory that fails removes what it wrote, not a *.log
+    the user kept there."""
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    (run_dir / "experiment.log").write_text("notes\n")
+    r = qllm_sim("workload=trace", f"workload.path={tmp_path / 'missing.csv'}",
+                 f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert (run_dir / "experiment.log").read_text() == "notes\n"
+    assert not (run_dir / ".hydra").exists()
+
+
 # ------------------------------------------------------------------ profile label (issue 8.3)
 def test_a_run_on_profile_path_is_labelled_with_that_profile(tmp_path, monkeypatch):
     from conftest import linear_profile
@@ -321,6 +352,44 @@ def test_a_run_on_profile_path_is_labelled_with_that_profile(tmp_path, monkeypat
     assert json.loads((run_dir / "summary.json").read_text())["config"]["profile"]["name"] == (
         "test-linear"
     )
+
+
+def test_a_sweep_checks_every_combination_before_any_run(tmp_path):
+    """Each value is valid alone, one combination is not (ls_dedicated needs 2 replicas): the
+    sweep is refused before any run, naming that run; it aborted after 3 runs before."""
+    sweep = tmp_path / "s"
+    r = qllm_sim("-m", "seed=0,1", "cluster.replicas=2,1",
+                 "cluster.router=round_robin,ls_dedicated", "workload=synthetic",
+                 "workload.num_requests=20", f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 2
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "qllm-sim: error: cluster.ls_replicas=1: must be in [1, cluster.replicas - 1] for "
+            "ls_dedicated (in the sweep's run seed=0 cluster.replicas=1 cluster.router=ls_dedicated"
+        )
+    ), r.stderr
+    assert not sweep.exists()
+
+
+def test_a_skipped_run_keeps_its_config_labelled_with_its_profile(tmp_path):
+    """Hydra rewrites a sweep job's .hydra/config.yaml when it launches it, with the profile
+    name the command gave; a resumed sweep that skips the finished run must put the profile's
+    own name back, so that the config and summary.json never disagree."""
+    from conftest import linear_profile
+    from omegaconf import OmegaConf
+
+    profile_dir = tmp_path / "my-profile"
+    linear_profile().save(profile_dir)
+    args = ["-m", f"profile.path={profile_dir}", "workload.num_requests=20", "seed=0",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    for _ in range(2):  # the second skips the finished run
+        r = qllm_sim(*args, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    assert "skipping finished run" in r.stdout
+    run = next((tmp_path / "sweep").rglob("summary.json")).parent
+    assert OmegaConf.load(run / ".hydra" / "config.yaml").profile.name == "test-linear"
 
 
 def test_a_profile_whose_directory_and_name_disagree_is_refused_not_swapped(tmp_path):
@@ -372,7 +441,15 @@ def _load_in(cwd, name):
      ["profile.routing_skew=2.0 is ignored without profile.routing=zipf"]),
     (["cluster.ls_replicas=2"],
      ["cluster.ls_replicas=2 is ignored without cluster.router=ls_dedicated"]),
+    (["memory.block_size_tokens=64", "memory.swap_space_gib=1"],
+     ["memory.block_size_tokens=64 is ignored without memory.model=paged",
+      "memory.swap_space_gib=1.0 is ignored without memory.model=paged memory.preemption=swap"]),
+    (["memory.model=paged", "memory.swap_space_gib=1"],
+     ["memory.swap_space_gib=1.0 is ignored without memory.model=paged memory.preemption=swap"]),
+    (["memory.watermark=0"], ["memory.watermark=0.0 is ignored without memory.model=paged"]),
     # where they count, or at their defaults: nothing
+    (["memory.model=paged", "memory.preemption=swap", "memory.swap_space_gib=1",
+      "memory.block_size_tokens=64", "memory.watermark=0"], []),
     (["workload.arrival=gamma", "workload.cv=4"], []),
     (["workload=synthetic", "workload.prompt.tokens=64"], []),
     (["cluster.replicas=3", "cluster.router=ls_dedicated", "cluster.ls_replicas=2"], []),
