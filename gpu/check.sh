@@ -9,7 +9,7 @@
 #   smoke      tokens equal generate in float64 on CUDA, two families, bf16 -> smoke.json
 #   validate   Mixtral-8x7B shape (random bf16 weights) profiled on a reduced grid (wake-up,
 #              the engine's host time), then sim vs real (iteration, qllm; 24 synthetic requests;
-#              utilization 0.6, 2, 6; two real replays each), per-iteration errors
+#              utilization 0.6, 2, 6; one real replay each), per-iteration errors
 #                                            -> validation.json, iteration_errors.json
 #   compare    the measured profile op by op against the analytic h200-mixtral-bf16
 #                                                                          -> profile_compare.json
@@ -93,8 +93,11 @@ else
   # Lengths of a chat-like mix, cut to fit: 24 requests, outputs ~16 tokens. Loads 0.6, 2 and 6
   # (of a one-request-at-a-time server): light (an idle H200 clocks down to 345 MHz: the
   # profile's wake_up), near the knee, overloaded; two real replays per point.
-  # min_run_s=0: the points keep 24 requests, as the check's time limits were sized for
-  VALIDATE_ARGS=(threads=null workload.num_requests=24 utilizations=[0.6,2.0,6.0] replays=2 min_run_s=0
+  # min_run_s=0: the points keep 24 requests, as the check's time limits were sized for.
+  # replays=1 (no noise floor; 2 profile passes): with 2 the step was estimated at 400-480 s
+  # (run 2 took 284 s before the drift probe, the duty check, the host-time calibration and
+  # the passes between replays were added), over its 360 s.
+  VALIDATE_ARGS=(threads=null workload.num_requests=24 utilizations=[0.6,2.0,6.0] replays=1 min_run_s=0
     workload.prompt.tokens=128 workload.prompt.sigma=0.6 workload.prompt.min=16 workload.prompt.max=512
     workload.output.tokens=16 workload.output.sigma=0.5 workload.output.min=4 workload.output.max=48
     max_prompt_tokens=512

@@ -33,6 +33,18 @@ def sm_clock_mhz() -> int | None:
     return int(out.splitlines()[0]) if out and out.splitlines()[0].isdigit() else None
 
 
+def current_cpu(allowed: set[int]) -> int:
+    """The core this process runs on now (field 39 of /proc/self/stat: Python has no
+    sched_getcpu), or the lowest allowed one where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after the command name
+        core = int(fields[36])  # field 39 of the whole line; fields[0] is field 3
+    except (OSError, ValueError, IndexError):
+        return min(allowed)
+    return core if core in allowed else min(allowed)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m gpu.modes")
     ap.add_argument("--model", default="tiny-mixtral")
@@ -57,7 +69,7 @@ def main() -> None:
     phases, all_ms = [], []
     for name in ("free", "pinned", "free-again"):
         if name == "pinned":
-            core = os.sched_getcpu() if hasattr(os, "sched_getcpu") else min(allowed)
+            core = current_cpu(allowed)
             os.sched_setaffinity(0, {core})
         else:
             os.sched_setaffinity(0, allowed)

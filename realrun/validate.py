@@ -220,6 +220,9 @@ class ProfileSource:
         self.progress = cfg.progress
         self.between_rounds()
         self.profile = self._build(self.prof.table())
+        # saved now, and replaced by the final one: a run stopped by a time limit (the GPU
+        # check's) keeps the profile its predictions were made with
+        self.profile.save(self.directory)
 
     def first(self):
         return self.profile
