@@ -19,9 +19,11 @@ cluster, else a local one).
 Evaluations are appended to ``evaluations.csv`` in the output directory as they finish, so an
 interrupted search rerun with the same ``--out`` resumes where it stopped. Each row carries a
 digest of the resolved config and of what the run was made from (the simulator's code, the
-profile's files, the workload file, the installed data sets it reads: ``sim.provenance``); a
-run is reused only when it equals today's, so a resumed search never mixes in runs of other
-code or inputs.
+profile's files, the workload file, the installed data sets it reads: ``sim.provenance``),
+computed by the run from the config it composed; a run is reused only when it equals today's,
+so a resumed search never mixes in runs of other code or inputs, and a search whose config or
+inputs change under it stops at the end of the step. Its ``ok`` says whether the run meets the
+targets of the latest search over the directory.
 
 Example::
 
@@ -33,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import math
 import sys
@@ -162,12 +165,22 @@ def fewest_replicas(router: str, ls_replicas: int) -> int:
     return ROUTERS[name].fewest_replicas(ls_replicas if k is None else k)
 
 
+# what a run's overrides set beyond the search's config (``fingerprints``): set back to that
+# config's values, a run's config is the search's, and its fingerprint the same
+RUN_KEYS = ("cluster.router", "cluster.ls_replicas", "cluster.replicas", "workload.rate", "seed",
+            "workload.num_requests")  # fmt: skip
+
+
 def evaluate(task: tuple) -> dict:
-    """One run: (policy, router, replicas, rate, seed, num_requests, overrides) -> a row."""
+    """One run: (policy, router, replicas, rate, seed, num_requests, overrides) -> a row, whose
+    ``inputs`` is the fingerprint of the config this run composed (conf/ as it was then, the
+    code and inputs as this process reads them), computed as ``fingerprints`` does."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
 
-    from sim.app import CONF_DIR
+    from sim import provenance
+    from sim.app import CONF_DIR, job_config
     from sim.run import simulate
 
     policy, router, replicas, rate, seed, n, overrides = task
@@ -177,6 +190,12 @@ def evaluate(task: tuple) -> dict:
             *overrides, f"policy={policy}", *router_overrides(router),
             f"cluster.replicas={replicas}", f"workload.rate={rate}", f"seed={seed}",
             f"workload.num_requests={n}"])  # fmt: skip
+        # only the defaults of the keys the run sets come from this second read of conf/
+        base = compose("config", overrides=[*overrides, f"policy={policy}"])
+    searched = copy.deepcopy(cfg)
+    for key in RUN_KEYS:
+        OmegaConf.update(searched, key, OmegaConf.select(base, key), merge=False)
+    inputs = provenance.fingerprint(job_config(searched), provenance.inputs(searched))
     out = simulate(cfg)
     classes = out.summary["classes"]
     ls, be = classes["LS"]["ttft_s"]["p99"], classes["BE"]
@@ -191,7 +210,7 @@ def evaluate(task: tuple) -> dict:
                         "window to measure keeps_up in: nine tenths of its arrivals or more "
                         "come at one instant")  # fmt: skip
     return {"policy": policy, "router": router, "replicas": replicas, "rate": rate,
-            "seed": seed, "num_requests": n, "setup": " ".join(overrides),
+            "seed": seed, "num_requests": n, "setup": " ".join(overrides), "inputs": inputs,
             "ls_ttft_p99_s": ls, "goodput": goodput, "keeps_up": ratio,
             "jobs_per_s": out.summary["throughput"]["jobs_per_s"],
             "be_ttft_p99_s": be["ttft_s"]["p99"],
@@ -329,14 +348,16 @@ def trace_requests(workload: Any) -> int | None:
 class Evaluations:
     """evaluations.csv: every finished run, appended as it finishes (resume = reuse). A file
     of another layout (an older qllm-plan's) is set aside as evaluations.csv.old: its runs
-    carry no inputs digest, so none of them can be known to be today's."""
+    carry no inputs digest, so none of them can be known to be today's. A row that cannot be
+    read (a line cut short by a crash or a full disk) is skipped and counted in ``malformed``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.rows: dict[tuple, dict] = {}
         self.set_aside: Path | None = None
+        self.malformed = 0
         if path.is_file():
-            with path.open() as f:
+            with path.open(newline="") as f:
                 reader = csv.DictReader(f)
                 rows = list(reader)
                 layout = reader.fieldnames
@@ -345,7 +366,13 @@ class Evaluations:
                 path.replace(self.set_aside)
                 rows = []
             for row in rows:
-                self.rows[self.key(row)] = row
+                try:
+                    key = self.key(row)
+                    _check(row)
+                except (TypeError, ValueError):
+                    self.malformed += 1
+                    continue
+                self.rows[key] = row
 
     @staticmethod
     def key(row) -> tuple:
@@ -365,14 +392,51 @@ class Evaluations:
         return sum(row["policy"] in fingerprints and row["inputs"] != fingerprints[row["policy"]]
                    for row in self.rows.values())  # fmt: skip
 
+    def retarget(self, targets: Targets) -> int:
+        """Set every row's ``ok`` to whether it meets ``targets`` (a search's), rewriting the
+        file where one changes (rows that could not be read are dropped then); how many
+        changed."""
+        changed = 0
+        for row in self.rows.values():
+            ok = targets.met(row)
+            if str(row["ok"]) != str(ok):
+                row["ok"] = ok
+                changed += 1
+        if changed:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with tmp.open("w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=FIELDS)
+                w.writeheader()
+                w.writerows(self.rows.values())
+            tmp.replace(self.path)
+        return changed
+
     def add(self, row: dict) -> None:
-        new = not self.path.is_file()
+        size = self.path.stat().st_size if self.path.is_file() else 0
+        cut = False
+        if size:
+            with self.path.open("rb") as f:
+                f.seek(-1, 2)
+                cut = f.read(1) != b"\n"
         with self.path.open("a", newline="") as f:
+            if cut:  # a last line cut short is ended, so that this row is not appended to it
+                f.write("\r\n")
             w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
+            if not size:
                 w.writeheader()
             w.writerow(row)
         self.rows[self.key(row)] = row
+
+
+def _check(row: dict) -> None:
+    """Raises TypeError or ValueError where a read row lacks a field, has one too many (a
+    line cut short with the next one appended to it), or has a figure that is no number."""
+    if None in row or None in row.values():
+        raise ValueError("fields missing or extra")
+    for k in ("goodput", "keeps_up"):  # never empty (``evaluate``)
+        float(row[k])
+    for k in ("ls_ttft_p99_s", "jobs_per_s", *BE_COST):
+        _float(row[k])
 
 
 def _float(x) -> float | None:
@@ -399,6 +463,8 @@ class Runs:
     fingerprints: dict[str, str]
     whole: int | None = None
     on_run: Any = None  # called after each run made (a progress bar's tick)
+    made: set = field(default_factory=set)  # the tasks run by this search
+    reused: set = field(default_factory=set)  # those it found in ``cache`` from before it
 
     def tasks(self, policy: str, router: str, replicas: int, rate: float) -> list[tuple]:
         if self.horizon_s is None:  # the whole trace, repeated where it is short of
@@ -409,14 +475,38 @@ class Runs:
                 for seed in self.seeds]  # fmt: skip
 
     def run(self, tasks: list[tuple]) -> None:
-        """Make the runs of ``tasks`` that are not cached (in parallel, by the pool)."""
-        todo = [t for t in tasks if self.rows([t]) == [None]]
-        for row in self.pool(evaluate, todo):
+        """Make the runs of ``tasks`` that are not cached (in parallel, by the pool). Each
+        row is kept under the fingerprint of the config its run composed; where that is not
+        the one the search began with (conf/, the code or an input changed during the
+        search), the row is not this search's: a warning says so, and once the step's runs
+        are in, the search stops (UserError) rather than mix the two."""
+        todo = []
+        for t in tasks:
+            if self.rows([t]) == [None]:
+                todo.append(t)
+            elif t not in self.made:
+                self.reused.add(t)
+        changed = 0
+        for task, row in zip(todo, self.pool(evaluate, todo), strict=True):
             row["ok"] = self.targets.met(row)
-            row["inputs"] = self.fingerprints[row["policy"]]
             self.cache.add(row)
+            self.made.add(task)
+            if row["inputs"] != self.fingerprints[row["policy"]]:
+                if not changed:
+                    print("qllm-plan: warning: a run was made from another config, code, "
+                          "profile, workload file or data set than the search began with "
+                          "(changed during the search): its row is kept under its own digest, "
+                          "not counted as this search's", file=sys.stderr)  # fmt: skip
+                changed += 1
             if self.on_run is not None:
                 self.on_run()
+        if changed:
+            raise UserError(
+                f"{changed} runs of this step were made from a config, code or input that "
+                "changed during the search, so it stopped rather than mix the two in one "
+                "plan; rerun the same command to search what is there now (those runs are "
+                "reused)"
+            )
 
     def rows(self, tasks: list[tuple]) -> list[dict | None]:
         return [self.cache.get(t, self.fingerprints[t[0]]) for t in tasks]
@@ -549,8 +639,8 @@ def parser() -> argparse.ArgumentParser:
                     help=f"each run's span: rate x this many arrivals (default {HORIZON_S:g}; "
                     "a trace workload: the whole trace at every rate)")  # fmt: skip
     ap.add_argument("--min-requests", type=int, default=MIN_REQUESTS,
-                    help="arrivals per replica a run has at least (default %(default)s; not "
-                    "for a whole trace)")  # fmt: skip
+                    help="arrivals per replica a run has at least (default %(default)s; a "
+                    "trace workload with fewer is replayed repeated up to this many)")  # fmt: skip
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--executor", choices=["process", "ray"], default="process")
@@ -568,6 +658,15 @@ def main(argv=None) -> int:
         f"{o}: qllm-plan sets {key} in every run; use {SEARCHED[key]}"
         for o in args.overrides
         if (key := o.split("=", 1)[0].lstrip("+~")) in SEARCHED
+    ]
+    # a count in --routers sets cluster.ls_replicas in its runs, after the user's override,
+    # which evaluations.csv's setup would still record
+    counted = [r for r in args.routers if ":" in r]
+    problems += [
+        f"{o}: --routers {counted[0]} sets cluster.ls_replicas in its runs; give the count "
+        "there (ls_dedicated:k), or this override with a plain ls_dedicated only"
+        for o in args.overrides
+        if counted and o.split("=", 1)[0].lstrip("+~") == "cluster.ls_replicas"
     ]
     problems += [f"--replicas {n}: must be >= 1" for n in args.replicas if n < 1]
     if not 0 < args.goodput <= 1:
@@ -630,12 +729,16 @@ def main(argv=None) -> int:
     if cache.set_aside is not None:
         print(f"qllm-plan: {out}/evaluations.csv is of an older layout (no inputs digest): set "
               f"aside as {cache.set_aside.name}, its runs not reused", file=sys.stderr)  # fmt: skip
+    if cache.malformed:
+        print(f"qllm-plan: warning: {cache.malformed} rows of {out}/evaluations.csv could not be "
+              "read (a line cut short?): skipped, not reused", file=sys.stderr)  # fmt: skip
     others = cache.others(fps)
     if others:
         print(f"qllm-plan: {others} runs in {out}/evaluations.csv were made from another "
               "config, code, profile, workload file or installed data set: not reused",
               file=sys.stderr)  # fmt: skip
     targets = Targets(args.ls_ttft_p99_s, args.goodput, args.keeps_up)
+    cache.retarget(targets)  # ok: whether each run meets this search's targets
     # a router that reserves replicas (ls_dedicated) serves no fewer than it reserves, plus one
     least = {r: fewest_replicas(r, cfg.cluster.ls_replicas) for r in args.routers}
     for r in args.routers:
@@ -707,6 +810,8 @@ def main(argv=None) -> int:
               "and the backlog's growth over the run, not what BE work waits in the workload's "
               "bursts (its TTFT p99 above); set slo.be_ttft_s to bound that too",
               file=sys.stderr)  # fmt: skip
+    if not target:  # a previous search's would stand beside this plan.csv
+        (out / "target.csv").unlink(missing_ok=True)
     if target:
         write_csv(out / "target.csv", [t for t, _ in target])
         print(f"\nfewest replicas for {args.target_rate:g} req/s, and the figures of its runs at "
@@ -731,7 +836,8 @@ def main(argv=None) -> int:
         print("\nbest ls_dedicated split (LS replicas), of those searched:")
         print("\n".join(splits))
     written = "plan.csv, " + ("target.csv, " if target else "") + "frontier.png, evaluations.csv"
-    print(f"\n{len(cache.rows)} runs in {time.perf_counter() - start:.0f} s -> {out}/: {written}")
+    print(f"\n{len(runs.made)} runs made, {len(runs.reused)} reused, in "
+          f"{time.perf_counter() - start:.0f} s -> {out}/: {written}")  # fmt: skip
     return 0
 
 

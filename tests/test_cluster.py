@@ -267,7 +267,7 @@ def test_fewest_replicas_for_a_target_rate_is_bisected_between_the_searched_coun
                    "num_requests": num, "setup": " ".join(setup),
                    "ls_ttft_p99_s": 1.0 if met else 9.0, "goodput": 1.0, "keeps_up": 1.0,
                    "jobs_per_s": r, "be_ttft_p99_s": 2.0 * n, "be_turnaround_mean_s": 3.0,
-                   "be_turnaround_p99_s": 4.0}  # fmt: skip
+                   "be_turnaround_p99_s": 4.0, "inputs": "fp"}  # fmt: skip
 
     runs = Runs(Targets(3.0, 0.9, 0.8), [0], 10.0, 20, [], Evaluations(tmp_path / "e.csv"),
                 oracle, {"qllm": "fp"})  # fmt: skip
@@ -278,6 +278,142 @@ def test_fewest_replicas_for_a_target_rate_is_bisected_between_the_searched_coun
     else:
         assert t["ls_ttft_p99_s"] is None
     assert len(list(csv.DictReader((tmp_path / "e.csv").open()))) == len(ran)  # all kept
+
+
+# a small, fast search: one replica, one seed, runs of 100 arrivals
+SMALL_PLAN = ["--replicas", "1", "--policies", "qllm", "--min-requests", "100", "--horizon-s",
+              "20", "--jobs", "1", "--rel-tol", "0.3", "--rate-lo", "0.1", "workload=synthetic",
+              "workload.output.tokens=8", "workload.prompt.tokens=32"]  # fmt: skip
+
+
+def test_plan_counts_a_run_only_under_the_config_it_was_made_from(tmp_path, monkeypatch, capsys):
+    """Each run's row carries the fingerprint of the config the run composed (the search's,
+    when nothing changed); conf/ edited during the search: the runs made from the new config
+    are kept under its fingerprint, not the one the search began with (they were stamped
+    with it, and a resumed search reused them), and the search stops saying so."""
+    import shutil
+
+    import sim.app
+    import sim.plan as plan
+
+    setup = ["workload=synthetic", "workload.output.tokens=8", "workload.prompt.tokens=32"]
+    row = plan.evaluate(("qllm", "ls_dedicated:1", 2, 2.0, 0, 40, tuple(setup)))
+    assert row["inputs"] == plan.fingerprints(setup, ["qllm"])[0]["qllm"]
+
+    conf = tmp_path / "conf"
+    shutil.copytree(sim.app.CONF_DIR, conf)
+    monkeypatch.setattr(sim.app, "CONF_DIR", conf)
+    before = plan.fingerprints(setup, ["qllm"])[0]["qllm"]
+    fingerprints = plan.fingerprints
+
+    def then_pull(*args):  # conf/ changes once the search has its fingerprints
+        out = fingerprints(*args)
+        slo = conf / "slo" / "default.yaml"
+        slo.write_text(slo.read_text().replace("ls_ttft_s: 3.0", "ls_ttft_s: 2.5"))
+        return out
+
+    monkeypatch.setattr(plan, "fingerprints", then_pull)
+    out = tmp_path / "plan"
+    assert plan.main([*SMALL_PLAN, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("warning: a run was made from another config") == 1, err
+    assert "error: 1 runs of this step were made from a config, code or input that changed" in err
+    monkeypatch.setattr(plan, "fingerprints", fingerprints)
+    after = plan.fingerprints(setup, ["qllm"])[0]["qllm"]
+    assert after != before
+    rows = list(csv.DictReader((out / "evaluations.csv").open()))
+    assert [r["inputs"] for r in rows] == [after]
+    assert plan.main([*SMALL_PLAN, "--out", str(out)]) == 0  # the new config's run is reused
+    assert ", 1 reused, in " in capsys.readouterr().out
+
+
+def test_plan_over_a_previous_out_leaves_no_stale_target_or_ok_and_counts_reuse(tmp_path, capsys):
+    """A search over another's --out: target.csv was left from the previous search (with its
+    targets), evaluations.csv's ok kept the previous targets, and the last line counted every
+    row of evaluations.csv as this search's runs."""
+    import re
+
+    import sim.plan as plan
+
+    out = tmp_path / "plan"
+    assert plan.main([*SMALL_PLAN, "--keeps-up", "0.8", "--target-rate", "0.1", "--out",
+                      str(out)]) == 0  # fmt: skip
+    first = capsys.readouterr().out.strip().splitlines()[-1]
+    made = int(re.match(r"(\d+) runs made, 0 reused, in ", first).group(1))
+    rows = list(csv.DictReader((out / "evaluations.csv").open()))
+    assert (out / "target.csv").is_file() and made == len(rows)
+    assert any(r["ok"] == "True" for r in rows)  # at --keeps-up 0.8
+    assert plan.main([*SMALL_PLAN, "--keeps-up", "0.95", "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert not (out / "target.csv").exists()
+    again = list(csv.DictReader((out / "evaluations.csv").open()))
+    targets = plan.Targets(3.0, 0.99, 0.95)
+    assert [r["ok"] for r in again] == [str(targets.met(r)) for r in again]
+    assert any(r["ok"] != r0["ok"] for r, r0 in zip(again, rows, strict=False))
+    made, reused = map(int, re.match(r"(\d+) runs made, (\d+) reused, in ", last).groups())
+    assert made == len(again) - len(rows) and 1 <= reused <= len(rows), last
+
+
+@pytest.mark.parametrize("router", ["ls_dedicated:1", "ls_dedicated:1-2", "ls_dedicated:all"])
+def test_plan_refuses_ls_replicas_when_routers_give_the_count(tmp_path, capsys, router):
+    """--routers ls_dedicated:1 with cluster.ls_replicas=2 ran 1 LS replica while
+    evaluations.csv's setup recorded cluster.ls_replicas=2."""
+    import sim.plan as plan
+
+    assert plan.main(["--replicas", "3", "--routers", router, "--out", str(tmp_path),
+                      "workload=synthetic", "cluster.ls_replicas=2"]) == 2  # fmt: skip
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"qllm-plan: error: cluster.ls_replicas=2: --routers {router} sets cluster.ls_replicas "
+        "in its runs; give the count there (ls_dedicated:k), or this override with a plain "
+        "ls_dedicated only"
+    ]
+    assert not (tmp_path / "evaluations.csv").exists()
+    # a plain ls_dedicated takes its count from the override: not refused for it
+    assert plan.main(["--replicas", "0", "--routers", "ls_dedicated", "--out", str(tmp_path),
+                      "workload=synthetic", "cluster.ls_replicas=2"]) == 2  # fmt: skip
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "qllm-plan: error: --replicas 0: must be >= 1"
+    ]
+
+
+def test_plan_skips_rows_cut_short_and_appends_after_them(tmp_path, capsys):
+    """A line of evaluations.csv cut short (a crash, a full disk) made every resume fail with
+    a traceback, and a last line without its end had the next row appended onto it."""
+    import sim.plan as plan
+
+    path = tmp_path / "evaluations.csv"
+    row = {"policy": "qllm", "router": "least_outstanding", "replicas": 1, "rate": 0.5,
+           "seed": 0, "num_requests": 40, "setup": "workload=synthetic", "ls_ttft_p99_s": 1.0,
+           "goodput": 1.0, "keeps_up": 1.0, "jobs_per_s": 0.5, "be_ttft_p99_s": 2.0,
+           "be_turnaround_mean_s": 3.0, "be_turnaround_p99_s": 4.0, "ok": True,
+           "inputs": "fp"}  # fmt: skip
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=plan.FIELDS)
+        w.writeheader()
+        w.writerow(row)
+        f.write("qllm,least_outstanding,\r\n")  # a line cut short
+        f.write("qllm,least_outstanding,1,0.7,0,40,workload=synthetic,1.0,0.9")  # and no end
+    cache = plan.Evaluations(path)
+    assert cache.malformed == 2 and len(cache.rows) == 1
+    cache.add({**row, "rate": 0.6})
+    again = plan.Evaluations(path)
+    assert again.malformed == 2
+    assert sorted(float(r["rate"]) for r in again.rows.values()) == [0.5, 0.6]
+
+    assert plan.main([*SMALL_PLAN, "--out", str(tmp_path)]) == 0
+    err = [x for x in capsys.readouterr().err.splitlines() if "could not be read" in x]
+    assert err == [f"qllm-plan: warning: 2 rows of {tmp_path}/evaluations.csv could not be "
+                   "read (a line cut short?): skipped, not reused"]  # fmt: skip
+
+
+def test_plan_min_requests_help_says_a_short_trace_is_repeated():
+    """The help said --min-requests was "not for a whole trace", but a trace shorter than
+    it per replica is replayed repeated up to it."""
+    import sim.plan as plan
+
+    text = " ".join(plan.parser().format_help().split())
+    assert "not for a whole trace" not in text
+    assert "a trace workload with fewer is replayed repeated up to this many" in text
 
 
 def test_a_rate_whose_backlog_grows_is_not_sustained_even_when_every_slo_is_met():
@@ -646,35 +782,26 @@ def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_pa
     assert not (tmp_path / "evaluations.csv").exists()  # refused before any run
 
 
-def test_plan_refuses_goodput_when_no_class_has_an_slo(tmp_path, capsys):
+@pytest.mark.parametrize("overrides, min_requests, said", [
+    # refused before any run: no class has an SLO
+    (["slo.ls_ttft_s=null"], "10",
+     "--goodput: no class has an SLO (slo.ls_ttft_s and slo.ls_tpot_s are null)"),
+    # 5 arrivals at a 1% LS share: this seed draws no LS request, so the run has no request
+    # with an SLO though the workload does
+    (["workload.ls_fraction=0.01"], "5",
+     "--goodput: a run of 5 requests drew no LS request, so none has an SLO: raise "
+     "--min-requests (or set slo.be_ttft_s)"),
+])  # fmt: skip
+def test_plan_says_why_no_run_has_a_request_with_an_slo(tmp_path, capsys, overrides,
+                                                         min_requests, said):  # fmt: skip
     import sim.plan as plan
 
     code = plan.main(["--replicas", "1", "--policies", "qllm", "--jobs", "1", "--horizon-s", "1",
-                      "--rate-lo", "1", "--min-requests", "10", "--out", str(tmp_path),
-                      "workload=synthetic", "slo.ls_ttft_s=null",
-                      "workload.output.tokens=4"])  # fmt: skip
+                      "--rate-lo", "1", "--min-requests", min_requests, "--out", str(tmp_path),
+                      "workload=synthetic", *overrides, "workload.output.tokens=4"])  # fmt: skip
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("qllm-plan: error: --goodput: no class has an SLO (slo.ls_ttft_s and "
-                       "slo.ls_tpot_s are null)"), err  # fmt: skip
-    assert not (tmp_path / "evaluations.csv").exists()
-
-
-def test_a_short_run_drawing_no_ls_request_blames_its_length(tmp_path, capsys):
-    # 5 arrivals at a 1% LS share: this seed draws no LS request (asserted below), so the
-    # run has no request with an SLO though the workload does
-    import sim.plan as plan
-
-    code = plan.main(["--replicas", "1", "--policies", "qllm", "--jobs", "1", "--horizon-s", "1",
-                      "--rate-lo", "1", "--min-requests", "5", "--out", str(tmp_path),
-                      "workload=synthetic", "workload.ls_fraction=0.01",
-                      "workload.output.tokens=4"])  # fmt: skip
-    assert code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (
-        "qllm-plan: error: --goodput: a run of 5 requests drew no LS request, so "
-        "none has an SLO: raise --min-requests (or set slo.be_ttft_s)"
-    ), err
+    assert err[-1] == f"qllm-plan: error: {said}", err
 
 
 # ------------------------------------------------------------------- streaming, bounded memory
