@@ -10,7 +10,10 @@ a crashed or unfinished run has none and is left out). Writes, under ``<sweep>/r
   attainment), ``fig3_throughput_vs_rate.png`` (Fig. 3), ``fig4_turnaround_vs_rate.png``
   (Fig. 4: LS and BE turnaround), ``ttft_cdf.png`` (TTFT CDFs per policy at a few rates).
 
-Points are means over seeds; error bars are 95% t-intervals of the mean (none for one seed).
+Points are means over seeds, each seed counted once (runs that repeat a seed are averaged, with
+a warning); error bars are 95% t-intervals of the mean (none for one seed). Runs without a
+``workload.rate`` (a trace at its own timestamps) are drawn at their measured arrival rate, with
+a note.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
 
 import matplotlib
@@ -28,6 +32,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from sim.cli import CONF_DIR  # noqa: E402
 from sim.metrics import STATS  # noqa: E402
 
 # Settings that identify a run; ``experiment`` is set by sim.reproduce, absent from sweeps.
@@ -86,19 +91,41 @@ def flat_settings(config: dict, prefix: str = "") -> dict:
     return out
 
 
+@cache
+def policy_defaults() -> dict[str, dict]:
+    """Each policy's own options as its config file gives them (``conf/policy/*.yaml``), by the
+    policy's name, flat (``{"policy.max_waiting_tokens": 20, ...}``)."""
+    out = {}
+    for path in sorted((CONF_DIR / "policy").glob("*.yaml")):
+        config = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        out[str(config.get("name", path.stem))] = flat_settings(config, "policy.")
+    return out
+
+
 def varying_settings(runs: list[tuple[str, dict]]) -> list[str]:
     """The config keys beyond ``run_settings``'s that take two values or more among the runs
-    of one policy ((policy, flat config) each; a key one run lacks counts as a value): each
-    is a setting of its own in the table (named by its key, ``memory.model``), so that runs
-    that differ in it are not averaged as seeds of one point. A key that differs only between
-    policies (a policy's own options) is told apart by the policy already."""
-    by_policy: dict[str, list[dict]] = {}
-    for policy, flat in runs:
-        by_policy.setdefault(str(policy), []).append(flat)
+    ((policy, flat config) each; a key one run lacks counts as a value): each is a setting of
+    its own in the table (named by its key, ``memory.model``), so that runs that differ in it
+    are neither averaged as seeds of one point nor compared as if only the policy differed.
+
+    Left out: a policy's own options (``policy.*``) where every run of each policy holds that
+    policy's own value from its config file (``policy._target_``, iteration's
+    ``policy.max_waiting_tokens``, tgi-0.3's ``policy.waiting_served_ratio``): they differ
+    between policies by construction, and the policy tells those runs apart already. An option
+    set otherwise (``policy.max_batch_size=8`` for one policy only), or of a policy without a
+    config file here, is a setting."""
+    defaults = policy_defaults()
     keys = sorted({k for _, flat in runs for k in flat} - NAMED_KEYS)
-    return [k for k in keys
-            if any(len({repr(f.get(k, UNSET)) for f in flats}) > 1
-                   for flats in by_policy.values())]  # fmt: skip
+
+    def own_option(key: str) -> bool:
+        return key.startswith("policy.") and all(
+            str(policy) in defaults
+            and repr(flat.get(key, UNSET)) == repr(defaults[str(policy)].get(key, UNSET))
+            for policy, flat in runs
+        )
+
+    varies = [k for k in keys if len({repr(flat.get(k, UNSET)) for _, flat in runs}) > 1]
+    return [k for k in varies if not own_option(k)]
 
 
 def summary_rows(settings: dict, summary: dict) -> list:
@@ -166,17 +193,31 @@ def load_sweep(sweep_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     for run, summary, settings, flat in loaded:
         settings.update({k: flat.get(k, UNSET) for k in extra})
         settings["run_dir"] = str(run.relative_to(sweep_dir))
+        arrivals_per_s = np.nan  # unknown without the run's requests
         if (run / "requests.parquet").is_file():
-            requests = pd.read_parquet(run / "requests.parquet", columns=["cls", "ttft_s"])
-            frames.append(requests.assign(**settings))
+            requests = pd.read_parquet(run / "requests.parquet",
+                                       columns=["cls", "ttft_s", "arrival_s"])  # fmt: skip
+            arrivals_per_s = arrival_rate(requests["arrival_s"])
+            frames.append(requests.drop(columns="arrival_s").assign(**settings))
         try:
-            rows += summary_rows(settings, summary)
+            rows += [{**row, "arrivals_per_s": arrivals_per_s}
+                     for row in summary_rows(settings, summary)]  # fmt: skip
         except KeyError as e:
             raise ReportError(f"{run}: summary.json has no {e} (written by an older qllm-sim? "
                               "rerun the run)") from None  # fmt: skip
-    table = tidy(pd.DataFrame(rows))
+    # a run without workload.rate (a trace at its own timestamps) has rate NaN, not None
+    table = tidy(pd.DataFrame(rows).assign(rate=lambda t: pd.to_numeric(t["rate"])))
     requests = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if len(requests):
+        requests["rate"] = pd.to_numeric(requests["rate"])
     return table, requests
+
+
+def arrival_rate(arrivals: pd.Series) -> float:
+    """A run's measured arrival rate: (arrivals - 1) / their span, the mean rate that
+    ``workload.rate`` sets (NaN for fewer than two arrivals, or all at one instant)."""
+    span = arrivals.max() - arrivals.min() if len(arrivals) else 0.0
+    return (len(arrivals) - 1) / span if len(arrivals) > 1 and span > 0 else np.nan
 
 
 def mixed_inputs(sweep_dir: str | Path) -> list[str]:
@@ -265,18 +306,51 @@ def t975(dof: int) -> float:
 
 
 def over_seeds(table: pd.DataFrame, cls: str, value: str, series: list[str] | None = None):
-    """Mean, min, max and the 95% t-interval half-width (``ci95``; NaN for one seed) of
-    ``value`` over seeds, per series and rate, for one class."""
+    """Mean, min, max, count and the 95% t-interval half-width (``ci95``; NaN for one seed) of
+    ``value`` over seeds, per series and rate, for one class; and ``x``, where the point is
+    drawn: its rate, or for runs without one (a trace at its own timestamps) the mean of their
+    measured arrival rates (``arrivals_per_s``; NaN where unknown).
+
+    Each seed counts once: the runs of one point that share a seed (the same sweep run twice
+    into one directory) are first averaged into one value for that seed, so ``count`` is the
+    number of distinct seeds and a copied run neither adds a sample nor narrows the interval
+    (``repeated_seeds`` names them). A table without a ``seed`` column counts each row."""
     part = table[table["cls"] == cls]
     keys = [*(series or series_columns(table)), "rate"]
+    measured = part["arrivals_per_s"] if "arrivals_per_s" in part else np.nan
+    part = part.assign(
+        _x=pd.to_numeric(part["rate"]).fillna(measured),
+        _seed=part["seed"] if "seed" in part else np.arange(len(part)),
+    )
+    per_seed = part.groupby([*keys, "_seed"], dropna=False, sort=False)[[value, "_x"]].mean()
+    stats = {s: (value, s) for s in ("mean", "min", "max", "count", "std")}
     out = (
-        part.groupby(keys, dropna=False, sort=False)[value]
-        .agg(["mean", "min", "max", "count", "std"])
+        per_seed.reset_index()
+        .groupby(keys, dropna=False, sort=False)
+        .agg(**stats, x=("_x", "mean"))
         .reset_index()
     )
     half = out["std"] / np.sqrt(out["count"]) * out["count"].map(lambda n: t975(int(n) - 1))
     out["ci95"] = half.where(out["count"] > 1)
     return out.drop(columns="std").sort_values(keys, kind="stable")
+
+
+def repeated_seeds(table: pd.DataFrame) -> list[str]:
+    """A warning per point (series and rate) and seed that more than one run holds: they are
+    counted once, as their mean (``over_seeds``)."""
+    if "seed" not in table or "run_dir" not in table:
+        return []
+    keys = [*series_columns(table), "rate", "seed"]
+    runs = table.drop_duplicates("run_dir").groupby(keys, dropna=False, sort=False)["run_dir"]
+    out = []
+    for key, dirs in runs:
+        if len(dirs) > 1:
+            *series, rate, seed = key
+            where = _label(tuple(series), keys[:-2]) + (f", rate {rate:g}" if pd.notna(rate)
+                                                        else ", no rate")  # fmt: skip
+            out.append(f"warning: {where}: seed {seed} is in {len(dirs)} runs "
+                       f"({', '.join(sorted(dirs))}): counted once, as their mean")  # fmt: skip
+    return out
 
 
 def _label(series: tuple, cols: list[str]) -> str:
@@ -286,6 +360,7 @@ def _label(series: tuple, cols: list[str]) -> str:
     return ", ".join(parts)
 
 
+MEASURED_X = "arrival rate (req/s; measured for runs without workload.rate)"
 STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--")]
 
 
@@ -296,6 +371,9 @@ def draw_lines(ax, table: pd.DataFrame, cls: str, value: str, scale: float = 1.0
     Marker and line style change from series to series, so that equal lines stay visible."""
     cols = series or series_columns(table)
     agg = over_seeds(table, cls, value, cols)
+    if agg["rate"].isna().any():  # runs without a rate: at their measured one (rate_notes)
+        ax.set_xlabel(MEASURED_X)
+    agg = agg[agg["x"].notna()].sort_values([*cols, "x"], kind="stable")
     for i, (key, part) in enumerate(agg.groupby(cols, dropna=False, sort=False)):
         key = key if isinstance(key, tuple) else (key,)
         mean = part["mean"] * scale
@@ -303,7 +381,7 @@ def draw_lines(ax, table: pd.DataFrame, cls: str, value: str, scale: float = 1.0
         # on a log axis a bar below zero cannot be drawn: stop the lower bar just above zero
         err = np.vstack([np.where(mean > 0, np.minimum(half, mean * 0.999), half), half])
         marker, line = STYLES[i % len(STYLES)]
-        ax.errorbar(part["rate"], mean, yerr=err if part["count"].max() > 1 else None,
+        ax.errorbar(part["x"], mean, yerr=err if part["count"].max() > 1 else None,
                     marker=marker, ls=line, ms=4 + (i % 3), capsize=3,
                     label=_label(key, cols))  # fmt: skip
 
@@ -311,7 +389,8 @@ def draw_lines(ax, table: pd.DataFrame, cls: str, value: str, scale: float = 1.0
 def finish(fig, axes: Iterable, path: Path) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.set_xlabel("arrival rate (req/s)")
+        if not ax.get_xlabel():  # draw_lines names a measured rate
+            ax.set_xlabel("arrival rate (req/s)")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.tight_layout()
@@ -322,15 +401,38 @@ def finish(fig, axes: Iterable, path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------- the figures
-def plot_ls_ttft(table: pd.DataFrame, slo_s: float, path: Path, title: str = "") -> Path:
-    """The paper's Fig. 2: mean LS TTFT per rate against the SLO line, and SLO attainment."""
+SLO_LINES = ("--", ":", "-.")
+
+
+def slo_list(slo_s: float | Iterable[float] | None) -> list[float]:
+    """One SLO, several (the runs used different ones) or none, as a sorted list."""
+    if slo_s is None:
+        return []
+    return [float(slo_s)] if np.isscalar(slo_s) else sorted(float(v) for v in slo_s)
+
+
+def slo_words(slos: list[float]) -> str:
+    """``TTFT <= 3 s``; with several SLOs no single value: ``TTFT <= its run's SLO (0.5, 3 s)``."""
+    if not slos:
+        return "no LS TTFT SLO"
+    if len(slos) == 1:
+        return f"TTFT <= {slos[0]:g} s"
+    return f"TTFT <= its run's SLO ({', '.join(f'{v:g}' for v in slos)} s)"
+
+
+def plot_ls_ttft(table: pd.DataFrame, slo_s: float | Iterable[float] | None, path: Path,
+                 title: str = "") -> Path:  # fmt: skip
+    """The paper's Fig. 2: mean LS TTFT per rate against the SLO line (one per SLO the runs
+    used, none without one), and SLO attainment."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     draw_lines(ax1, table, "LS", "ttft_mean_s")
-    ax1.axhline(slo_s, color="k", ls="--", lw=1, label=f"SLO {slo_s:g} s")
+    slos = slo_list(slo_s)
+    for i, slo in enumerate(slos):
+        ax1.axhline(slo, color="k", ls=SLO_LINES[i % len(SLO_LINES)], lw=1, label=f"SLO {slo:g} s")
     ax1.set(yscale="log", ylabel="LS mean TTFT (s)", title=f"LS time to first token {title}")
     draw_lines(ax2, table, "LS", "slo_attainment", scale=100)
     ax2.set(ylabel="LS requests with TTFT <= SLO (%)", ylim=(-3, 103),
-            title=f"LS SLO attainment (TTFT <= {slo_s:g} s)")  # fmt: skip
+            title=f"LS SLO attainment ({slo_words(slos)})")  # fmt: skip
     return finish(fig, (ax1, ax2), path)
 
 
@@ -354,32 +456,45 @@ def plot_turnaround(table: pd.DataFrame, path: Path, title: str = "") -> Path:
 
 
 def pick_rates(rates: Iterable[float], n: int = 4) -> list[float]:
-    """Up to ``n`` rates spread evenly over the sorted distinct rates, ends included."""
-    rates = sorted(set(rates))
+    """Up to ``n`` rates spread evenly over the sorted distinct rates, ends included (NaN, a run
+    without a rate, left out)."""
+    rates = sorted({float(r) for r in rates if pd.notna(r)})
     if len(rates) <= n:
         return rates
     return [rates[i] for i in np.unique(np.linspace(0, len(rates) - 1, n).round().astype(int))]
 
 
-def plot_ttft_cdf(requests: pd.DataFrame, slo_s: float, path: Path, title: str = "") -> Path:
-    """TTFT CDFs per policy (LS solid, BE dashed), all seeds pooled, one panel per rate."""
-    rates = pick_rates(requests["rate"])
+def plot_ttft_cdf(requests: pd.DataFrame, slo_s: float | Iterable[float] | None, path: Path,
+                  title: str = "") -> Path:  # fmt: skip
+    """TTFT CDFs per policy (LS solid, BE dashed), all seeds pooled, one panel per rate (and
+    one for the runs without a rate, a trace at its own timestamps). Each seed of a series
+    weighs the same: runs that repeat a seed share its weight (``over_seeds``)."""
+    rated = pick_rates(requests["rate"])
+    rates = [*rated, np.nan] if requests["rate"].isna().any() else rated
     fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.8), squeeze=False)
     cols = series_columns(requests.assign(cls="all"))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    weight = pd.Series(1.0, index=requests.index)
+    if {"seed", "run_dir"} <= set(requests):  # 1 / the runs of a (series, rate, seed)
+        seeds = requests.groupby([*cols, "rate", "seed"], dropna=False)["run_dir"]
+        weight = 1.0 / seeds.transform("nunique")
     for ax, rate in zip(axes[0], rates, strict=True):
-        at = requests[requests["rate"] == rate]
+        at = requests[requests["rate"].isna() if pd.isna(rate) else requests["rate"] == rate]
         for i, (series, part) in enumerate(at.groupby(cols, dropna=False, sort=False)):
             series = series if isinstance(series, tuple) else (series,)
             for cls, ls in (("LS", "-"), ("BE", "--")):
-                ttft = np.sort(part.loc[part["cls"] == cls, "ttft_s"].dropna().to_numpy())
+                one = part.loc[(part["cls"] == cls) & part["ttft_s"].notna(), "ttft_s"]
+                order = np.argsort(one.to_numpy(), kind="stable")
+                ttft, w = one.to_numpy()[order], weight[one.index].to_numpy()[order]
                 if len(ttft):
-                    ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post",
+                    ax.step(ttft, np.cumsum(w) / w.sum(), where="post",
                             color=colours[i % len(colours)], ls=ls,
                             label=f"{_label(series, cols)} {cls}")  # fmt: skip
-        ax.axvline(slo_s, color="k", ls=":", lw=1)
+        for slo in slo_list(slo_s):
+            ax.axvline(slo, color="k", ls=":", lw=1)
+        at_rate = "no workload.rate (trace timestamps)" if pd.isna(rate) else f"rate {rate:g} req/s"
         ax.set(xscale="log", xlabel="TTFT (s)", ylabel="fraction of requests", ylim=(0, 1.02),
-               title=f"rate {rate:g} req/s {title}")  # fmt: skip
+               title=f"{at_rate} {title}")  # fmt: skip
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -390,7 +505,11 @@ def plot_ttft_cdf(requests: pd.DataFrame, slo_s: float, path: Path, title: str =
 
 
 def write_figures(
-    table: pd.DataFrame, requests: pd.DataFrame, out_dir: Path, slo_s: float, title: str = ""
+    table: pd.DataFrame,
+    requests: pd.DataFrame,
+    out_dir: Path,
+    slo_s: float | Iterable[float] | None,
+    title: str = "",
 ) -> list[Path]:
     paths = [
         plot_ls_ttft(table, slo_s, out_dir / FIGURES["ls_ttft"], title),
@@ -402,10 +521,41 @@ def write_figures(
     return paths
 
 
-def slo_of(table: pd.DataFrame, default: float = 3.0) -> float:
-    """The LS TTFT SLO the runs used (the first one, if they differ)."""
+def slos_of(table: pd.DataFrame) -> list[float]:
+    """The LS TTFT SLOs the runs used, sorted: one value, several (``slo_ls_ttft_s`` is then a
+    setting of the lines, and no figure states a single SLO), or none (``slo.ls_ttft_s=null``:
+    no SLO line)."""
     values = table["slo_ls_ttft_s"].dropna() if "slo_ls_ttft_s" in table else []
-    return float(values.iloc[0]) if len(values) else default
+    return sorted({float(v) for v in values})
+
+
+def slo_of(table: pd.DataFrame) -> float | None:
+    """The one LS TTFT SLO the runs used (None if none has one); an error if they used
+    several, for no single value describes them (``slos_of`` lists them)."""
+    slos = slos_of(table)
+    if len(slos) > 1:
+        said = ", ".join(f"{v:g}" for v in slos)
+        raise ReportError(f"these runs used {len(slos)} LS TTFT SLOs ({said} s): no single "
+                          "one describes them (slos_of lists them)")  # fmt: skip
+    return slos[0] if slos else None
+
+
+def rate_notes(table: pd.DataFrame) -> list[str]:
+    """A note on the x axis when runs have no ``workload.rate`` (a trace at its own timestamps),
+    and a warning for those whose arrival rate is unknown too (left out of the figures)."""
+    runs = table.drop_duplicates("run_dir") if "run_dir" in table else table
+    unrated = runs[runs["rate"].isna()]
+    if not len(unrated):
+        return []
+    out = [f"note: {len(unrated)} runs have no workload.rate (a trace at its own timestamps): "
+           "the table's rate is '-' and the figures draw them at their measured arrival rate "
+           "(arrivals_per_s: (arrivals - 1) / their span, the mean over seeds)"]  # fmt: skip
+    unknown = unrated[unrated["arrivals_per_s"].isna()] if "arrivals_per_s" in runs else unrated
+    if len(unknown):
+        names = ", ".join(unknown["run_dir"]) if "run_dir" in unknown else f"{len(unknown)} runs"
+        out.append(f"warning: {names}: no rate and no measured arrival rate (no "
+                   "requests.parquet, or under two arrivals): left out of the figures")  # fmt: skip
+    return out
 
 
 def terminal_table(table: pd.DataFrame) -> str:
@@ -417,9 +567,15 @@ def terminal_table(table: pd.DataFrame) -> str:
                              "ls_slo"), ("BE", "turnaround_mean_s", "be_turnaround_s"),
                              ("BE", "tpot_p99_s", "be_tpot_p99_s"),
                              ("all", "jobs_per_s", "jobs_per_s")):  # fmt: skip
-        agg = over_seeds(table, cls, value).set_index([*cols, "rate"])["mean"].rename(name)
-        parts.append(agg)
+        agg = over_seeds(table, cls, value).set_index([*cols, "rate"])
+        unrated = agg.index.get_level_values("rate").isna()
+        if not parts and unrated.any():  # the measured rate, where the rate is not set
+            parts.append(agg["x"].where(unrated).rename("arrivals_per_s"))
+        parts.append(agg["mean"].rename(name))
     wide = pd.concat(parts, axis=1).reset_index()
+    if wide["rate"].isna().any():  # no rate: a trace at its own timestamps (rate_notes)
+        for col in ("rate", "arrivals_per_s"):
+            wide[col] = wide[col].map(lambda r: "-" if pd.isna(r) else f"{r:.3f}")
     return wide.to_string(index=False, float_format=lambda x: f"{x:.3f}")
 
 
@@ -445,9 +601,9 @@ def cli(argv: list[str] | None = None) -> None:
     out = args.out or args.sweep_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "table.csv", index=False)
-    paths = write_figures(table, requests, out, slo_of(table))
+    paths = write_figures(table, requests, out, slos_of(table))
     print(terminal_table(table))
-    for warning in mixed_inputs(args.sweep_dir):
+    for warning in [*rate_notes(table), *repeated_seeds(table), *mixed_inputs(args.sweep_dir)]:
         print(warning, file=sys.stderr)
     runs = table["run_dir"].nunique()
     print(f"\n{runs} runs -> {out / 'table.csv'}, " + ", ".join(p.name for p in paths))

@@ -436,3 +436,135 @@ def test_ray_launcher_runs_a_sweep_on_a_local_ray(tmp_path):
         for summary in (got, want):
             summary["executor"].pop("wall_s", None)  # the only figure that is not deterministic
         assert got == want, run
+
+
+# ------------------------------------------------------------------ qllm-report audit (4-8)
+def figure_spy(monkeypatch) -> list[dict]:
+    """What each panel of qllm-report's figures (but the CDF's) holds once drawn: file, title,
+    x label, its series (label, x, y: draw_lines's error bars) and its labelled lines."""
+    import sim.report as report
+
+    seen, finish = [], report.finish
+
+    def spy(fig, axes, path):
+        done = finish(fig, axes, path)
+        for ax in axes:
+            series = [(c.get_label(), list(c.lines[0].get_xdata()),
+                       list(c.lines[0].get_ydata())) for c in ax.containers]  # fmt: skip
+            lines = [(ln.get_label(), list(ln.get_xdata()), list(ln.get_ydata()))
+                     for ln in ax.get_lines() if not ln.get_label().startswith("_")]  # fmt: skip
+            seen.append({"file": path.name, "title": ax.get_title(), "xlabel": ax.get_xlabel(),
+                         "series": series, "lines": lines})  # fmt: skip
+        return done
+
+    monkeypatch.setattr(report, "finish", spy)
+    return seen
+
+
+def test_a_setting_changed_in_one_policy_s_sweep_only_is_a_setting(tmp_path, capsys):
+    """Audit 4: iteration on a 1,000-token KV cache (one sweep) and qllm uncapped (another)
+    under one directory were drawn as plain "iteration" against "qllm": the key varied only
+    between policies, so it was taken for a policy's own option."""
+    from sim.report import series_columns, varying_settings
+
+    common = ["workload=synthetic", "workload.num_requests=20", "workload.rate=1"]
+    a = qllm_sim("-m", "policy=iteration", "profile.kv_capacity_tokens=1000", *common,
+                 f"hydra.sweep.dir={tmp_path / 'sweep' / 'a'}")  # fmt: skip
+    b = qllm_sim("-m", "policy=qllm", *common, f"hydra.sweep.dir={tmp_path / 'sweep' / 'b'}")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    table, _ = load_sweep(tmp_path / "sweep")
+    assert "profile.kv_capacity_tokens" in series_columns(table)
+    assert [c for c in table.columns if "." in c] == ["profile.kv_capacity_tokens"]
+    cli([str(tmp_path / "sweep"), "--out", str(tmp_path / "report")])
+    header, *rows = capsys.readouterr().out.strip().splitlines()[:3]
+    assert header.split()[:3] == ["policy", "profile.kv_capacity_tokens", "rate"]
+    assert [r.split()[:2] for r in rows] == [["iteration", "1000"], ["qllm", "None"]]
+    # a policy's own options at its config file's values are no setting (the policy tells
+    # them apart); the same option set otherwise for one policy is
+    it = {"policy._target_": "policies.iteration.IterationFCFS", "policy.max_batch_size": 32,
+          "policy.waiting_served_ratio": 1.2, "policy.max_waiting_tokens": 20}  # fmt: skip
+    tgi = {**it, "policy.waiting_served_ratio": 0.3}
+    qllm = {"policy._target_": "policies.qllm.QLLM", "policy.max_batch_size": 32,
+            "policy.merge": False}  # fmt: skip
+    assert varying_settings([("iteration", it), ("tgi-0.3", tgi), ("qllm", qllm)]) == []
+    small = {**it, "policy.max_batch_size": 8}
+    assert varying_settings([("iteration", small), ("qllm", qllm)]) == ["policy.max_batch_size"]
+
+
+def test_a_seed_repeated_at_one_point_counts_once_with_a_warning(sweep, tmp_path, capsys):
+    """Audit 5: the same sweep twice under one directory gave each point four "seeds" (two
+    copies each of seeds 0 and 1): a narrower interval from no new sample."""
+    from sim.report import over_seeds
+
+    for copy in ("a", "b"):
+        shutil.copytree(sweep, tmp_path / "sweep" / copy)
+    once, _ = load_sweep(sweep)
+    twice, _ = load_sweep(tmp_path / "sweep")
+    assert twice["run_dir"].nunique() == 2 * once["run_dir"].nunique()  # the table keeps both
+    for cls, value in (("LS", "ttft_mean_s"), ("all", "jobs_per_s")):
+        got, want = over_seeds(twice, cls, value), over_seeds(once, cls, value)
+        assert (got["count"] == len(SEEDS)).all()
+        for column in ("mean", "ci95", "min", "max"):
+            assert got[column].to_numpy() == pytest.approx(want[column].to_numpy()), column
+    cli([str(tmp_path / "sweep"), "--out", str(tmp_path / "report")])
+    err = capsys.readouterr().err.splitlines()
+    repeated = [line for line in err if " is in 2 runs " in line]
+    assert len(repeated) == len(POLICIES) * len(RATES) * len(SEEDS)  # one per point and seed
+    assert any(line.startswith("warning: qllm, rate 4: seed 1 is in 2 runs (a/")
+               and line.endswith("): counted once, as their mean")
+               for line in repeated)  # fmt: skip
+
+
+def test_runs_judged_against_two_slos_state_no_single_one(tmp_path, monkeypatch):
+    """Audit 6: with slo.ls_ttft_s=0.5,3 the attainment panel said "TTFT <= 0.5 s" though half
+    its runs were judged against 3 s, and only the 0.5 s line was drawn."""
+    r = qllm_sim("-m", "workload=synthetic", "workload.num_requests=20", "workload.rate=2",
+                 "slo.ls_ttft_s=0.5,3", f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    seen = figure_spy(monkeypatch)
+    cli([str(tmp_path / "sweep"), "--out", str(tmp_path / "report")])
+    ttft, attainment = [p for p in seen if p["file"] == FIGURES["ls_ttft"]]
+    assert attainment["title"] == "LS SLO attainment (TTFT <= its run's SLO (0.5, 3 s))"
+    assert [(label, y[0]) for label, _, y in ttft["lines"] if label.startswith("SLO")] == [
+        ("SLO 0.5 s", 0.5), ("SLO 3 s", 3.0)]  # fmt: skip
+    assert [label for label, *_ in ttft["series"]] == ["qllm, slo_ls_ttft_s=0.5",
+                                                       "qllm, slo_ls_ttft_s=3.0"]  # fmt: skip
+    from sim.report import ReportError, slo_of, slos_of
+
+    table, _ = load_sweep(tmp_path / "sweep")
+    assert slos_of(table) == [0.5, 3.0]
+    with pytest.raises(ReportError, match=r"2 LS TTFT SLOs \(0.5, 3 s\)"):
+        slo_of(table)  # the notebooks' single value: none describes these runs
+    one = table[table["slo_ls_ttft_s"] == 3.0]  # one SLO: stated as before
+    assert slo_of(one) == 3.0 and slos_of(one) == [3.0]
+
+
+def test_a_trace_at_its_own_timestamps_is_reported_at_its_measured_rate(tmp_path, monkeypatch,
+                                                                        capsys):  # fmt: skip
+    """Audit 8: workload.rate=null (a trace replayed at its own timestamps) crashed the report
+    (TypeError formatting the CDF panel's rate) after drawing its points at x=NaN."""
+    trace = tmp_path / "trace.csv"
+    lines = (ROOT / "data" / "traces" / "splitwise_conv.csv").read_text().splitlines()[:101]
+    trace.write_text("\n".join(lines) + "\n")
+    r = qllm_sim("-m", "workload=trace", f"workload.path={trace}", "workload.num_requests=100",
+                 "policy=iteration,qllm", f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    stamps = pd.read_csv(trace)["arrived_at"]
+    measured = 99 / (stamps.iloc[99] - stamps.iloc[0])  # (arrivals - 1) / their span
+    seen = figure_spy(monkeypatch)
+    cli([str(tmp_path / "sweep"), "--out", str(tmp_path / "report")])
+    out, err = capsys.readouterr()
+    table = pd.read_csv(tmp_path / "report" / "table.csv")
+    assert table["rate"].isna().all()
+    assert table["arrivals_per_s"].to_numpy() == pytest.approx(measured)
+    assert (tmp_path / "report" / FIGURES["cdf"]).stat().st_size > 10_000
+    # the terminal table: no rate, the measured one, and a note saying what the x axis is
+    header, *rows = out.strip().splitlines()[:3]
+    assert header.split()[:3] == ["policy", "rate", "arrivals_per_s"]
+    assert [r.split()[:3] for r in rows] == [[p, "-", f"{measured:.3f}"] for p in POLICIES]
+    assert "note: 2 runs have no workload.rate (a trace at its own timestamps)" in err
+    # every panel draws one point per policy, at the measured rate, and says so
+    for panel in seen:
+        assert panel["xlabel"] == "arrival rate (req/s; measured for runs without workload.rate)"
+        assert [label for label, *_ in panel["series"]] == list(POLICIES), panel
+        assert all(x == pytest.approx([measured]) for _, x, _ in panel["series"]), panel
