@@ -8,6 +8,7 @@ Examples::
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -43,12 +44,36 @@ def check(cfg: DictConfig) -> None:
     """What can be checked before Hydra makes a run directory; and a warning for each key set
     where nothing reads it."""
     validate(cfg)
-    for line in ignored_keys(cfg):
+    lines = [f"warning: {line}" for line in ignored_keys(cfg)]
+    rows = _trace_rows(cfg.workload)
+    if rows is not None and cfg.workload.num_requests > rows:
+        lines.append(f"note: workload.num_requests={cfg.workload.num_requests} is more than the "
+                     f"trace's {rows} requests: it is replayed "
+                     f"{cfg.workload.num_requests / rows:.3g} times over (its bursts "
+                     "recur)")  # fmt: skip
+    for line in lines:
         if line not in _ignored_warned:
             _ignored_warned.add(line)
-            print(f"warning: {line}", file=sys.stderr)
+            print(line, file=sys.stderr)
     build_policy(cfg.policy)
     profiles.load(cfg.profile.name, cfg.profile.path)
+
+
+def _trace_rows(workload) -> int | None:
+    """How many requests the workload's trace holds (None: not a trace, or no such file)."""
+    kind = getattr(workload.kind, "value", workload.kind)
+    path = Path(workload.path).expanduser() if kind == "trace" and workload.path else None
+    if path is None or not path.is_file():
+        return None  # a missing file is the workload's error, named when it is read
+    stat = path.stat()
+    return _rows(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.cache
+def _rows(path: str, size: int, mtime_ns: int) -> int:
+    from sim.workloads import trace
+
+    return len(trace.read_trace(Path(path))[0])
 
 
 APP = App(PROG, "config", ("workload", "profile", "policy", "slo"), free_keys=("policy",),

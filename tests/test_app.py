@@ -373,6 +373,17 @@ def test_a_sweep_checks_every_combination_before_any_run(tmp_path):
     assert not sweep.exists()
 
 
+def test_a_trace_shorter_than_num_requests_is_said_to_be_repeated(tmp_path):
+    lines = (ROOT / "data" / "traces" / "splitwise_conv.csv").read_text().splitlines()[:41]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")  # 40 requests
+    r = qllm_sim("workload=trace", f"workload.path={tmp_path / 't.csv'}",
+                 "workload.num_requests=100", f"hydra.run.dir={tmp_path / 'r'}",
+                 cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert ("note: workload.num_requests=100 is more than the trace's 40 requests: it is "
+            "replayed 2.5 times over (its bursts recur)") in r.stderr.splitlines()  # fmt: skip
+
+
 def test_a_skipped_run_keeps_its_config_labelled_with_its_profile(tmp_path):
     """Hydra rewrites a sweep job's .hydra/config.yaml when it launches it, with the profile
     name the command gave; a resumed sweep that skips the finished run must put the profile's
