@@ -99,9 +99,12 @@ def overload(requests: pd.DataFrame) -> str | None:
     arrival_rate, completion_rate = len(arrivals) / span_s, len(finishes) / busy_s
     if arrival_rate <= OVERLOAD_RATIO * completion_rate:
         return None
-    return (f"warning: arrivals at {arrival_rate:.3g} req/s exceed the {completion_rate:.3g} "
-            f"req/s the machine completed ({arrival_rate / completion_rate:.1f}x): the "
-            "latencies measure the backlog, not a steady state")  # fmt: skip
+    rates = (f"arrivals at {arrival_rate:.3g} req/s exceed the {completion_rate:.3g} req/s the "
+             f"machine completed ({arrival_rate / completion_rate:.1f}x)")  # fmt: skip
+    if len(arrivals) < FEW_SAMPLES:  # the drain of one long request can decide the ratio
+        return (f"note: {rates} in a run of {len(arrivals)} requests, too few to tell a "
+                "backlog from the drain of its last requests")  # fmt: skip
+    return f"warning: {rates}: the latencies measure the backlog, not a steady state"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

@@ -563,6 +563,12 @@ def test_overload_is_remarked_with_both_rates():
     assert "req/s the machine completed" in warning
     light = simulate(cfg("workload=synthetic", "workload.rate=0.2", "workload.num_requests=200"))
     assert overload(light.requests) is None
+    # 10 requests, one every 20 s, none waiting: the drain of a long output, not a backlog
+    short = simulate(cfg("workload.num_requests=10", "workload.rate=0.05",
+                         "workload.max_output_tokens=null", "policy=vllm"))  # fmt: skip
+    assert short.summary["classes"]["all"]["ttft_s"]["max"] < 2
+    note = overload(short.requests)
+    assert note and note.startswith("note: arrivals at ") and "too few to tell" in note, note
 
 
 def test_overload_warning_is_printed_by_qllm_sim(tmp_path):
