@@ -45,6 +45,7 @@ runs both forms.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 
 from policies.core import BE, LS, Batch, Granularity, Phase, Request, Sequence
@@ -103,11 +104,14 @@ class VLLM(Policy):
         # V1 allocates the running requests' blocks first and admits no waiting request in a
         # step that preempted: admission leaves room for what the running write in this step,
         # and none is tried when they cannot all grow (the scheduler then preempts for them)
-        room = s.memory.capacity_tokens - s.kv_used_tokens
-        growth = sum([s.memory.grow_tokens(q) for q in seqs]) if s.memory.grows else 0
-        if not (preempted and running) and growth <= room:
-            slots = self.max_batch_size - len(running)
-            for q in list(self._waiting(s)):
+        slots = self.max_batch_size - len(running)
+        waiting = len(s.waiting[LS]) + len(s.waiting[BE])
+        growth = math.inf  # nothing to admit
+        if slots > 0 and waiting and not (preempted and running):
+            growth = sum(s.memory.grow_tokens(q) for q in seqs) if s.memory.grows else 0
+        if growth <= s.memory.capacity_tokens - s.kv_used_tokens:
+            # the head of the queue, copied (admission takes from it): no more than can join
+            for q in list(itertools.islice(self._waiting(s), int(min(slots, waiting)))):
                 if budget <= 0 or slots <= 0:
                     break
                 if chunked:

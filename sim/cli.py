@@ -27,6 +27,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from sim.config import UserError
 
@@ -165,11 +166,12 @@ def check_jobs(app: App, jobs: list[list[str]]) -> None:
             for line, o in zip(job, parsed, strict=True):
                 if line not in groups:
                     OmegaConf.update(cfg, o.key_or_group, o.value(), merge=False)
+        except OmegaConfBaseException:  # a value only Hydra's composition applies: at launch
+            continue
+        try:
             app.check(cfg)
         except UserError as e:
             raise UserError(f"{e} (in the sweep's run {' '.join(job)})") from None
-        except Exception:  # a value only Hydra's composition can apply: checked at launch
-            continue
 
 
 def _line(o: Override, value: str) -> str:

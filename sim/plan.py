@@ -239,12 +239,16 @@ def keeps_up(arrival_s, finish_s) -> float | None:
     return int(((f > start) & (f <= end)).sum()) / arrived
 
 
+def slos_set(slo) -> tuple[bool, bool]:
+    """Whether LS and whether BE work has an SLO (TTFT or TPOT)."""
+    return (slo.ls_ttft_s is not None or slo.ls_tpot_s is not None,
+            slo.be_ttft_s is not None or slo.be_tpot_s is not None)  # fmt: skip
+
+
 def slo_problem(cfg) -> str | None:
     """Why no run of this config can have a request with an SLO, which --goodput needs: no
     class with requests has one. None: some run can."""
-    slo = cfg.slo
-    ls_slo = slo.ls_ttft_s is not None or slo.ls_tpot_s is not None
-    be_slo = slo.be_ttft_s is not None or slo.be_tpot_s is not None
+    ls_slo, be_slo = slos_set(cfg.slo)
     ls_fraction = cfg.workload.get("ls_fraction", 1.0)
     if be_slo and ls_fraction < 1:
         return None
@@ -261,8 +265,7 @@ def slo_problem(cfg) -> str | None:
 
 def no_slo_problem(cfg, n: int) -> str:
     """Why a run of ``n`` requests has no request with an SLO (so no goodput)."""
-    slo = cfg.slo
-    if slo.ls_ttft_s is None and slo.ls_tpot_s is None:  # then BE has one (slo_problem)
+    if not slos_set(cfg.slo)[0]:  # then BE has one (slo_problem)
         drew, other = "no BE request (LS has no SLO)", "slo.ls_ttft_s"
     else:
         drew, other = "no LS request", "slo.be_ttft_s"
@@ -640,7 +643,8 @@ def parser() -> argparse.ArgumentParser:
                     "a trace workload: the whole trace at every rate)")  # fmt: skip
     ap.add_argument("--min-requests", type=int, default=MIN_REQUESTS,
                     help="arrivals per replica a run has at least (default %(default)s; a "
-                    "trace workload with fewer is replayed repeated up to this many)")  # fmt: skip
+                    "trace workload with fewer is replayed repeated up to this many per "
+                    "replica)")  # fmt: skip
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--executor", choices=["process", "ray"], default="process")

@@ -56,11 +56,17 @@ def _outside_sources(target: str) -> list[Path]:
     then, naming it)."""
     module, _, name = target.rpartition(".")
     try:
-        klass = getattr(importlib.import_module(module), name)
-        classes = klass.__mro__ if isinstance(klass, type) else (klass,)
-        files = {inspect.getsourcefile(c) for c in classes if c.__module__ != "builtins"}
-    except (ImportError, AttributeError, TypeError, ValueError):
+        mod = importlib.import_module(module)
+        klass = getattr(mod, name)
+    except (ImportError, AttributeError, ValueError):
         return []
+    classes = klass.__mro__ if isinstance(klass, type) else (klass,)
+    files = set()
+    for owner in (mod, *classes):  # the target's own module always; each base's where it has one
+        try:
+            files.add(inspect.getsourcefile(owner))
+        except TypeError:  # a built-in or compiled class: no source to digest
+            continue
     inside = [ROOT / pkg for pkg in CODE_PACKAGES]
     out = []
     for f in sorted(f for f in files if f):
@@ -72,7 +78,9 @@ def _outside_sources(target: str) -> list[Path]:
 
 def config_code_digest(config: dict) -> str:
     """``code_digest``, with the sources of any ``_target_`` class outside the code packages
-    (``policy._target_=mymodule.MyPolicy``): editing such a module must rerun its runs too."""
+    (``policy._target_=mymodule.MyPolicy``): editing such a module must rerun its runs too.
+    Covered: the target's module and the files of its class's bases; not followed: other
+    modules of the user's that these import."""
     extra = sorted({p for t in _targets(config) for p in _outside_sources(t)})
     if not extra:
         return code_digest()
