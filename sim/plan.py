@@ -171,6 +171,29 @@ RUN_KEYS = ("cluster.router", "cluster.ls_replicas", "cluster.replicas", "worklo
             "workload.num_requests")  # fmt: skip
 
 
+_run_key_defaults: dict[tuple, dict] = {}
+
+
+def run_key_defaults(policy: str, overrides: tuple[str, ...]) -> dict:
+    """The search's values of ``RUN_KEYS`` (what a run's own overrides replace), read from conf/
+    once per worker process (a plain dict, not functools.cache: Ray ships ``evaluate`` and
+    what it calls by value): a run's fingerprint takes every other key from its own
+    composition, so a change of conf/ during a search still shows in it."""
+    key = (policy, overrides)
+    if key not in _run_key_defaults:
+        from hydra import compose, initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+        from omegaconf import OmegaConf
+
+        from sim.app import CONF_DIR
+
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            base = compose("config", overrides=[*overrides, f"policy={policy}"])
+        _run_key_defaults[key] = {k: OmegaConf.select(base, k) for k in RUN_KEYS}
+    return _run_key_defaults[key]
+
+
 def evaluate(task: tuple) -> dict:
     """One run: (policy, router, replicas, rate, seed, num_requests, overrides) -> a row, whose
     ``inputs`` is the fingerprint of the config this run composed (conf/ as it was then, the
@@ -190,11 +213,9 @@ def evaluate(task: tuple) -> dict:
             *overrides, f"policy={policy}", *router_overrides(router),
             f"cluster.replicas={replicas}", f"workload.rate={rate}", f"seed={seed}",
             f"workload.num_requests={n}"])  # fmt: skip
-        # only the defaults of the keys the run sets come from this second read of conf/
-        base = compose("config", overrides=[*overrides, f"policy={policy}"])
     searched = copy.deepcopy(cfg)
-    for key in RUN_KEYS:
-        OmegaConf.update(searched, key, OmegaConf.select(base, key), merge=False)
+    for key, value in run_key_defaults(policy, tuple(overrides)).items():
+        OmegaConf.update(searched, key, value, merge=False)
     inputs = provenance.fingerprint(job_config(searched), provenance.inputs(searched))
     out = simulate(cfg)
     classes = out.summary["classes"]
