@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ def prepare(app: App, argv: list[str]) -> Plan:
         sweep_dir = str(hydra_cfg.sweep.dir)
         if "hydra.sweep.dir" not in given:
             argv = [*argv, f"hydra.sweep.dir={sweep_dir}"]  # resolved once, stated in messages
+        check_ray_cluster(hydra_cfg.launcher)
         jobs = [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
         if len(jobs) > len(combos) and app.check is not None:
             check_jobs(app, jobs)
@@ -119,6 +121,25 @@ def prepare(app: App, argv: list[str]) -> Plan:
         argv = [*argv, f"hydra.run.dir={run_dir}"]  # ${now:...} fixed here, before it is claimed
     claim_run_dir(Path(run_dir))
     return Plan(argv, directory=run_dir)
+
+
+def check_ray_cluster(launcher: DictConfig) -> None:
+    """A Ray launcher that connects to a running cluster (``hydra/launcher=ray_cluster``) finds
+    one before the sweep starts: the plugin's own error is a page of traceback."""
+    address = OmegaConf.select(launcher, "ray.init.address")
+    if not str(launcher.get("_target_", "")).endswith("RayLauncher") or address in (None, "local"):
+        return
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:  # another ray: the plugin says it at launch
+        return
+    hint = "start one (ray start --head) or sweep on a throwaway local Ray: hydra/launcher=ray"
+    try:
+        host, port = canonicalize_bootstrap_address(address).rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except (ConnectionError, OSError, ValueError) as e:
+        raise UserError(f"hydra/launcher: no Ray cluster at address={address} "
+                        f"({str(e).splitlines()[0]}); {hint}") from None  # fmt: skip
 
 
 def check_group_choices(app: App, overrides: list[Override]) -> None:

@@ -415,6 +415,35 @@ def test_ray_cluster_launcher_config_composes():
     assert cfg.hydra.launcher.ray.remote.num_cpus == 1
 
 
+def test_ray_cluster_sweep_without_a_cluster_stops_with_one_line(tmp_path, monkeypatch):
+    """hydra/launcher=ray_cluster with nothing listening at $RAY_ADDRESS: one line before the
+    sweep starts (the plugin's own error is a traceback); a listening address passes the
+    check (the sweep then runs on it: here, --cfg stops before that)."""
+    import socket
+
+    from sim.app import APP
+    from sim.cli import prepare
+    from sim.config import UserError
+
+    with socket.socket() as server:
+        server.bind(("", 0))  # Ray connects to the node IP that 127.0.0.1 maps to
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        args = ["-m", "hydra/launcher=ray_cluster", "policy=iteration,qllm",
+                f"hydra.sweep.dir={tmp_path}"]  # fmt: skip
+        assert prepare(APP, args).multirun
+    run = qllm_sim(*args)  # $RAY_ADDRESS now closed
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        f"qllm-sim: error: hydra/launcher: no Ray cluster at address={address} ([Errno 111] "
+        "Connection refused); start one (ray start --head) or sweep on a throwaway local Ray: "
+        "hydra/launcher=ray"
+    ]
+    with pytest.raises(UserError, match="no Ray cluster"):
+        prepare(APP, args)
+
+
 def test_ray_launcher_runs_a_sweep_on_a_local_ray(tmp_path):
     """hydra-ray-launcher (a dependency) runs a tiny multirun on a throwaway local Ray instance
     (about 25 s, mostly Ray's start); each run holds what the default launcher computes."""
