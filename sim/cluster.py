@@ -155,7 +155,9 @@ class Cluster:
     ``ordered``: the requests are already in (arrival, id) order, as a streamed workload's
     are: they are pulled one at a time as the clock reaches them, never held all at once.
     ``on_finish(seq, replica)`` is called for every finished sequence. Placements and the
-    timeline are kept as columns (about 14 bytes an event): a day of arrivals fits."""
+    timeline are kept as columns (about 14 bytes an event): a day of arrivals fits.
+    ``stop``: an event that ends the run where it stands when it is triggered (``stopped``
+    then says so; the result is of a part of the run)."""
 
     def __init__(
         self,
@@ -165,6 +167,7 @@ class Cluster:
         env: simpy.Environment,
         on_finish: Callable[[Seq, int], None] | None = None,
         ordered: bool = False,
+        stop: simpy.Event | None = None,
     ) -> None:
         self.requests = requests if ordered else sorted(requests, key=lambda r: (r.arrival_s, r.id))
         self.replicas = replicas
@@ -179,6 +182,8 @@ class Cluster:
         # the next request to arrive: a lone replica's to plan its runs by (with several, the
         # router decides on arrival which one receives it)
         self.upcoming = Upcoming()
+        self.stop = stop
+        self.stopped = False
         if len(replicas) == 1:
             replicas[0].upcoming = self.upcoming
 
@@ -215,7 +220,9 @@ class Cluster:
         wall = time.perf_counter()
         self.env.process(self._arrivals())
         executors = [rep.start(arrivals=False) for rep in self.replicas]
-        self.env.run(until=self.env.all_of(executors))
+        done = self.env.all_of(executors)
+        self.env.run(until=done if self.stop is None else done | self.stop)
+        self.stopped = self.stop is not None and self.stop.triggered
         parts = [rep.result(0.0) for rep in self.replicas]
         merged = SimResult(
             sequences=[s for p in parts for s in p.sequences],

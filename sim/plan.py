@@ -15,7 +15,11 @@ brackets the capacity by doubling from ``--rate-lo``, then bisects until the bra
 ``--rel-tol``; it assumes that a cluster that sustains a rate sustains every lower one. All
 searches advance together: the runs of one step (every search's next rate x seeds) go to a pool
 of processes (``--jobs``), or to Ray workers (``--executor ray``; ``RAY_ADDRESS`` picks a
-cluster, else a local one).
+cluster, else a local one). A run stops as soon as it is certain to miss a target (``Verdict``:
+enough LS requests finished late for the p99, enough requests out of their SLO for goodput,
+or the steady window closed short of ``keeps_up``), since no later request can bring it back;
+``--full-runs`` runs each to its end instead, for the figures of every run (the answers are
+the same).
 Evaluations are appended to ``evaluations.csv`` in the output directory as they finish, so an
 interrupted search rerun with the same ``--out`` resumes where it stopped. Each row carries a
 digest of the resolved config and of what the run was made from (the simulator's code, the
@@ -37,7 +41,10 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import functools
+import itertools
 import math
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -45,11 +52,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policies.core import BE, LS
 from sim.config import UserError, ignored_keys
 
 FIELDS = ["policy", "router", "replicas", "rate", "seed", "num_requests", "setup",
           "ls_ttft_p99_s", "goodput", "keeps_up", "jobs_per_s", "be_ttft_p99_s",
-          "be_turnaround_mean_s", "be_turnaround_p99_s", "ok", "inputs"]  # fmt: skip
+          "be_turnaround_mean_s", "be_turnaround_p99_s", "ok", "stopped", "inputs"]  # fmt: skip
 # what the LS guarantee costs BE work, reported at each search's capacity and at the target rate
 BE_COST = ("be_ttft_p99_s", "be_turnaround_mean_s", "be_turnaround_p99_s")
 
@@ -61,9 +69,122 @@ class Targets:
     keeps_up: float
 
     def met(self, row: dict) -> bool:
+        if row.get("stopped"):  # stopped when certain to miss (``Runs.rows`` re-runs the rest)
+            return False
         ls, goodput, keeps_up = (_float(row[k]) for k in ("ls_ttft_p99_s", "goodput", "keeps_up"))
         ttft_ok = ls is None or ls <= self.ls_ttft_p99_s
         return ttft_ok and goodput >= self.goodput and keeps_up >= self.keeps_up
+
+    def missed_by(self, stopped: str) -> bool:
+        """Whether a run stopped for ``stopped`` (``Verdict.reason``: a bound its whole run
+        would have had) certainly misses these targets: a search of other targets may reuse
+        it only then."""
+        key, value = parse_stopped(stopped)
+        if key == "ls_ttft_p99_s":  # p99 above the value
+            return value >= self.ls_ttft_p99_s
+        if key == "goodput":  # goodput at most the value
+            return value < self.goodput
+        return value < self.keeps_up  # keeps_up, exact
+
+
+STOPPED = {"ls_ttft_p99_s": ">", "goodput": "<=", "keeps_up": "="}
+
+
+def parse_stopped(stopped: str) -> tuple[str, float]:
+    """(figure, bound) of a ``Verdict.reason``; ValueError if it is none."""
+    found = re.fullmatch(r"([a-z_0-9]+)(>|<=|=)(\S+)", stopped)
+    if found is None or STOPPED.get(found[1]) != found[2]:
+        raise ValueError(f"not a stop reason: {stopped!r}")
+    return found[1], float(found[3])
+
+
+class Verdict:
+    """Watches a run (``simulate``'s ``watch``) and stops it once it is certain to miss the
+    targets, whatever the rest of it does: the search then needs no more of it. Every
+    request of the run is known before it starts (its arrival and class), and a finished
+    request's figures are final, so each bound below is what the whole run's figure
+    (``evaluate``'s, computed as ``sim.metrics`` does) cannot escape:
+
+    - LS TTFT p99 (numpy's linear percentile of the n LS TTFTs, at index h = 0.99 (n - 1)):
+      at least the value of rank floor(h); once n - floor(h) + 1 LS requests (one spare for
+      the rounding of h) have finished with a TTFT above the target plus a nanosecond (a
+      margin for the interpolation's rounding), p99 is above the target.
+    - goodput (the share of the requests of classes with an SLO that finished within it):
+      at most (n - missed) / n, however the others fare.
+    - keeps_up (the completions in the steady window (a[n // 10], a[-1]] per arrival there,
+      ``keeps_up``): exact once the clock is past the last arrival, as no later completion
+      falls in the window; so the drain of a backlog is never simulated for a run that
+      did not keep up.
+
+    ``reason`` then names the bound, as ``Targets.missed_by`` reads it: ``ls_ttft_p99_s>B``
+    (p99 above B), ``goodput<=B``, ``keeps_up=B`` (the exact ratio)."""
+
+    MARGIN_S = 1e-9
+
+    def __init__(self, targets: Targets, slo: Any, times, is_ls) -> None:
+        import numpy as np
+
+        self.targets = targets
+        self.ttft = {LS: slo.ls_ttft_s, BE: slo.be_ttft_s}
+        self.tpot = {LS: slo.ls_tpot_s, BE: slo.be_tpot_s}
+        has = {c: self.ttft[c] is not None or self.tpot[c] is not None for c in (LS, BE)}
+        n_ls = int(np.count_nonzero(is_ls))
+        counts = {LS: n_ls, BE: len(times) - n_ls}
+        self.n_slo = sum(counts[c] for c in (LS, BE) if has[c])
+        self.missed = 0
+        self.ls_late_s = targets.ls_ttft_p99_s + self.MARGIN_S
+        self.ls_late = 0
+        # the LS requests late that put p99 above the target (never reached when n_ls < 2)
+        self.ls_late_needed = n_ls - math.floor(0.99 * (n_ls - 1)) + 1 if n_ls else math.inf
+        self.window = None
+        if len(times):
+            start, end = float(times[len(times) // 10]), float(times[-1])
+            arrived = int(np.count_nonzero((times > start) & (times <= end)))
+            if arrived:
+                self.window = (start, end, arrived)
+        self.in_window = 0
+        self.window_closed = False
+        self.reason: str | None = None
+        self.stop = None
+
+    def start(self, env):
+        self.stop = env.event()
+        return self.stop
+
+    def finished(self, seq) -> None:
+        if self.reason is not None:
+            return
+        first, finish = seq.first_token_s, seq.finish_s
+        request = seq.request
+        cls = request.cls
+        ttft = first - request.arrival_s  # as requests.parquet's ttft_s
+        if self.ttft[cls] is not None or self.tpot[cls] is not None:
+            ok = self.ttft[cls] is None or ttft <= self.ttft[cls]
+            out = request.output_tokens
+            if ok and self.tpot[cls] is not None and out > 1:
+                ok = not (finish - first) / (out - 1) > self.tpot[cls]
+            if not ok:
+                self.missed += 1
+                bound = (self.n_slo - self.missed) / self.n_slo
+                if bound < self.targets.goodput:
+                    return self._stop(f"goodput<={bound!r}")
+        if request.cls == LS and ttft > self.ls_late_s:
+            self.ls_late += 1
+            if self.ls_late >= self.ls_late_needed:
+                return self._stop(f"ls_ttft_p99_s>{self.targets.ls_ttft_p99_s!r}")
+        if self.window is not None and not self.window_closed:
+            start, end, arrived = self.window
+            if start < finish <= end:
+                self.in_window += 1
+            elif finish > end:
+                self.window_closed = True
+                ratio = self.in_window / arrived
+                if ratio < self.targets.keeps_up:
+                    return self._stop(f"keeps_up={ratio!r}")
+
+    def _stop(self, reason: str) -> None:
+        self.reason = reason
+        self.stop.succeed()
 
 
 # the keys each run's overrides set (after the user's, which they would silently replace)
@@ -194,17 +315,21 @@ def run_key_defaults(policy: str, overrides: tuple[str, ...]) -> dict:
     return _run_key_defaults[key]
 
 
-def evaluate(task: tuple) -> dict:
+def evaluate(task: tuple, targets: Targets | None = None) -> dict:
     """One run: (policy, router, replicas, rate, seed, num_requests, overrides) -> a row, whose
     ``inputs`` is the fingerprint of the config this run composed (conf/ as it was then, the
-    code and inputs as this process reads them), computed as ``fingerprints`` does."""
+    code and inputs as this process reads them), computed as ``fingerprints`` does.
+    ``targets``: stop the run once it certainly misses them (``Verdict``); the row then has
+    the bound in ``stopped`` and no figures (but keeps_up, when that is what it missed)."""
+    import numpy as np
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
     from sim import provenance
     from sim.app import CONF_DIR, job_config
-    from sim.run import simulate
+    from sim.run import RunStopped, simulate
+    from sim.workloads import stream_workload
 
     policy, router, replicas, rate, seed, n, overrides = task
     GlobalHydra.instance().clear()
@@ -217,23 +342,36 @@ def evaluate(task: tuple) -> dict:
     for key, value in run_key_defaults(policy, tuple(overrides)).items():
         OmegaConf.update(searched, key, value, merge=False)
     inputs = provenance.fingerprint(job_config(searched), provenance.inputs(searched))
-    out = simulate(cfg)
+    workload = stream_workload(cfg.workload, seed=cfg.seed)
+    verdict = Verdict(targets or Targets(math.inf, 0.0, 0.0), cfg.slo, workload.times,
+                      workload.is_ls)  # fmt: skip
+    # what the figures would lack, known before the run
+    if not verdict.n_slo:  # a target no run can meet would report a capacity of 0 without a word
+        raise UserError(no_slo_problem(cfg, len(workload)))
+    if verdict.window is None:
+        raise UserError(f"a run of {len(workload)} requests at {rate:g} req/s has no "
+                        "window to measure keeps_up in: nine tenths of its arrivals or more "
+                        "come at one instant")  # fmt: skip
+    row = {"policy": policy, "router": router, "replicas": replicas, "rate": rate,
+           "seed": seed, "num_requests": n, "setup": " ".join(overrides), "inputs": inputs,
+           "stopped": ""}  # fmt: skip
+    try:
+        out = simulate(cfg, requests=workload, watch=verdict if targets else None)
+    except RunStopped as e:
+        # the largest request alone: what the whole run would have refused (a request no
+        # replica can hold) is not left unsaid by a stop before it arrived
+        big = int(np.argmax(workload.jobs.prompt + workload.jobs.output))
+        simulate(cfg, requests=[next(itertools.islice(iter(workload), big, None))], warn=False)
+        key, value = parse_stopped(str(e))
+        return {**row, **dict.fromkeys(("ls_ttft_p99_s", "goodput", "jobs_per_s", *BE_COST), ""),
+                "keeps_up": value if key == "keeps_up" else "", "stopped": str(e)}  # fmt: skip
     classes = out.summary["classes"]
     ls, be = classes["LS"]["ttft_s"]["p99"], classes["BE"]
-    goodput = classes["all"]["goodput"]
-    if goodput is None:  # a target no run can meet would report a capacity of 0 without a word
-        raise UserError(no_slo_problem(cfg, len(out.requests)))
     # A policy that keeps LS within its SLO can let BE work pile up without bound: a sustained
     # rate must also be completed, i.e. the steady-state completions keep up with arrivals.
     ratio = keeps_up(out.requests["arrival_s"].to_numpy(), out.requests["finish_s"].to_numpy())
-    if ratio is None:
-        raise UserError(f"a run of {len(out.requests)} requests at {rate:g} req/s has no "
-                        "window to measure keeps_up in: nine tenths of its arrivals or more "
-                        "come at one instant")  # fmt: skip
-    return {"policy": policy, "router": router, "replicas": replicas, "rate": rate,
-            "seed": seed, "num_requests": n, "setup": " ".join(overrides), "inputs": inputs,
-            "ls_ttft_p99_s": ls, "goodput": goodput, "keeps_up": ratio,
-            "jobs_per_s": out.summary["throughput"]["jobs_per_s"],
+    return {**row, "ls_ttft_p99_s": ls, "goodput": classes["all"]["goodput"],
+            "keeps_up": ratio, "jobs_per_s": out.summary["throughput"]["jobs_per_s"],
             "be_ttft_p99_s": be["ttft_s"]["p99"],
             "be_turnaround_mean_s": be["turnaround_s"]["mean"],
             "be_turnaround_p99_s": be["turnaround_s"]["p99"]}  # fmt: skip
@@ -457,8 +595,11 @@ def _check(row: dict) -> None:
     line cut short with the next one appended to it), or has a figure that is no number."""
     if None in row or None in row.values():
         raise ValueError("fields missing or extra")
-    for k in ("goodput", "keeps_up"):  # never empty (``evaluate``)
-        float(row[k])
+    if row["stopped"]:
+        parse_stopped(row["stopped"])
+    for k in ("goodput", "keeps_up"):  # never empty (``evaluate``) but in a stopped run's
+        if not row["stopped"] or row[k]:
+            float(row[k])
     for k in ("ls_ttft_p99_s", "jobs_per_s", *BE_COST):
         _float(row[k])
 
@@ -487,6 +628,7 @@ class Runs:
     fingerprints: dict[str, str]
     whole: int | None = None
     on_run: Any = None  # called after each run made (a progress bar's tick)
+    full_runs: bool = False  # run every run to its end (else stop it once it misses: Verdict)
     made: set = field(default_factory=set)  # the tasks run by this search
     reused: set = field(default_factory=set)  # those it found in ``cache`` from before it
 
@@ -511,7 +653,8 @@ class Runs:
             elif t not in self.made:
                 self.reused.add(t)
         changed = 0
-        for task, row in zip(todo, self.pool(evaluate, todo), strict=True):
+        run = evaluate if self.full_runs else functools.partial(evaluate, targets=self.targets)
+        for task, row in zip(todo, self.pool(run, todo), strict=True):
             row["ok"] = self.targets.met(row)
             self.cache.add(row)
             self.made.add(task)
@@ -533,7 +676,16 @@ class Runs:
             )
 
     def rows(self, tasks: list[tuple]) -> list[dict | None]:
-        return [self.cache.get(t, self.fingerprints[t[0]]) for t in tasks]
+        """The runs of ``tasks`` made (None: to make). A run stopped when it was certain to
+        miss some targets counts only if it is certain to miss this search's too."""
+        out = []
+        for t in tasks:
+            row = self.cache.get(t, self.fingerprints[t[0]])
+            stopped = row.get("stopped") if row is not None else None
+            if stopped and not self.targets.missed_by(stopped):
+                row = None
+            out.append(row)
+        return out
 
     def point(self, policy: str, router: str, replicas: int, rate: float) -> dict:
         """A point's figures (its runs made if need be): each metric's mean over the seeds
@@ -667,6 +819,10 @@ def parser() -> argparse.ArgumentParser:
                     "trace workload with fewer is replayed repeated up to this many per "
                     "replica)")  # fmt: skip
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--full-runs", action="store_true",
+                    help="run every run to its end, for the figures of the runs that miss the "
+                    "targets too (by default a run stops once it is certain to miss them; the "
+                    "search's answers are the same)")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--executor", choices=["process", "ray"], default="process")
     ap.add_argument("--out", type=Path, default=None,
@@ -804,7 +960,7 @@ def main(argv=None) -> int:
         bar.set_postfix_str(f"{made} runs made", refresh=True)
 
     runs = Runs(targets, args.seeds, horizon_s, args.min_requests, args.overrides, cache,
-                pool, fps, whole, on_run=ran)  # fmt: skip
+                pool, fps, whole, on_run=ran, full_runs=args.full_runs)  # fmt: skip
     start = time.perf_counter()
     try:
         run_searches(searches, runs, progress)

@@ -25,7 +25,7 @@ from sim.config import MemoryConfig, UserError, validate
 from sim.engine import SimResult, Simulation
 from sim.latency import LatencyModel, RoutingModel
 from sim.metrics import Records, records_outputs
-from sim.workloads import stream_workload
+from sim.workloads import Workload, stream_workload
 
 LONG_RUN_REQUESTS = 50_000  # a bar by default from here: 15-20 CPU s on the conversation trace
 
@@ -131,17 +131,27 @@ def extrapolation_warning(profile_name: str, lines: list[str]) -> str:
             + "; ".join(line for _, line in largest.values()))  # fmt: skip
 
 
+class RunStopped(Exception):
+    """A watched run was stopped before its end (``simulate``'s ``watch``): its outputs would
+    be of a part of the run, so there are none. The message is the watch's ``reason``."""
+
+
 def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences: bool = False,
-             profile: Profile | None = None, warn: bool = True) -> RunOutput:  # fmt: skip
+             profile: Profile | None = None, warn: bool = True,
+             watch=None) -> RunOutput:  # fmt: skip
     """Run ``requests`` (None: the config's workload, streamed: its requests are made as
-    they arrive) and fold each request into the outputs as it finishes. ``keep_sequences``:
+    they arrive; a ``Workload``: streamed as well) and fold each request into the outputs as
+    it finishes. ``watch``: an object whose ``start(env)`` returns an event that stops the
+    run when triggered, and whose ``finished(seq)`` sees every request as it finishes
+    (``qllm-plan``'s verdict): a stopped run raises ``RunStopped`` with ``watch.reason``,
+    and has no outputs. ``keep_sequences``:
     also keep every Sequence object in ``result.sequences`` (tests compare them; a long run
     would hold gigabytes). ``profile``: this profile instead of the one ``cfg.profile``
     names (``qllm-validate``'s speed-adjusted diagnostic). The ops the latency model
     extrapolated beyond the profile's grid are in ``extrapolated``; ``warn``:
     also print them in one line (a caller that runs many simulations merges them)."""
     validate(cfg)
-    ordered = requests is None
+    ordered = requests is None or isinstance(requests, Workload)
     if requests is None:
         requests = stream_workload(cfg.workload, seed=cfg.seed)
     if profile is None:
@@ -165,12 +175,18 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
                 for i in range(n)]  # fmt: skip
     records = Records(replica_order=True)  # exact ITL figures as from the sequences
 
+    stop = watch.start(env) if watch is not None else None
+    seen = watch.finished if watch is not None else None
+
     def finished(seq, replica: int) -> None:
         records.add(seq, replica)
+        if seen is not None:
+            seen(seq)
         if bar:
             bar.update()
 
-    cluster = Cluster(requests, replicas, router, env, on_finish=finished, ordered=ordered)
+    cluster = Cluster(requests, replicas, router, env, on_finish=finished, ordered=ordered,
+                      stop=stop)  # fmt: skip
     try:
         ran = cluster.run()
         result = ran.result
@@ -182,6 +198,8 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
     beyond = list(dict.fromkeys(line for rep in replicas for line in rep.latency.extrapolations()))
     if beyond and warn:
         print(extrapolation_warning(profile.name, beyond), file=sys.stderr)
+    if cluster.stopped:
+        raise RunStopped(watch.reason)
     df, summary = records_outputs(records, result.makespan_s, result.events, result.wall_s,
                                   cfg.slo, with_replica=True)  # fmt: skip
     summary["executor"]["merges"] = sum(rep.sched.merges for rep in replicas)
