@@ -15,7 +15,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sim.config import UserError
+from sim.launchers import check_ray_cluster
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 FINISHED = "summary.json"  # written last and atomically: its presence means the run finished
@@ -121,25 +121,6 @@ def prepare(app: App, argv: list[str]) -> Plan:
         argv = [*argv, f"hydra.run.dir={run_dir}"]  # ${now:...} fixed here, before it is claimed
     claim_run_dir(Path(run_dir))
     return Plan(argv, directory=run_dir)
-
-
-def check_ray_cluster(launcher: DictConfig) -> None:
-    """A Ray launcher that connects to a running cluster (``hydra/launcher=ray_cluster``) finds
-    one before the sweep starts: the plugin's own error is a page of traceback."""
-    address = OmegaConf.select(launcher, "ray.init.address")
-    if not str(launcher.get("_target_", "")).endswith("RayLauncher") or address in (None, "local"):
-        return
-    try:
-        from ray._private.services import canonicalize_bootstrap_address
-    except ImportError:  # another ray: the plugin says it at launch
-        return
-    hint = "start one (ray start --head) or sweep on a throwaway local Ray: hydra/launcher=ray"
-    try:
-        host, port = canonicalize_bootstrap_address(address).rsplit(":", 1)
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except (ConnectionError, OSError, ValueError) as e:
-        raise UserError(f"hydra/launcher: no Ray cluster at address={address} "
-                        f"({str(e).splitlines()[0]}); {hint}") from None  # fmt: skip
 
 
 def check_group_choices(app: App, overrides: list[Override]) -> None:

