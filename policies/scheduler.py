@@ -21,16 +21,16 @@ release. Under ``reserve`` (TGI) a sequence reserves prompt + output tokens on a
 running batch never runs out of KV cache. Under ``paged`` (vLLM, SGLang) blocks are allocated
 as tokens are written; when a sequence of a new decode batch cannot grow, the policy names a
 victim (``Policy.victim``) and the scheduler preempts it (``evict``): it goes back to the front
-of its waiting queue with its generated tokens kept. The memory model says how: by recompute
-(its blocks are freed, its next prefill recomputes prompt + generated tokens) or by swap (its
-written KV goes to host memory and comes back when it is admitted again, its next prefill
-feeds only the token whose KV was not written yet); the KV tokens swapped are charged to the
-next fresh batch (``Batch.swap_tokens``), whose executor pays the copy time. A request whose
-largest footprint exceeds the capacity is refused on arrival. A suspended batch also holds its
-saved activations (hidden states, routing and partial expert outputs), charged as
-``activation_tokens_per_token`` KV-token equivalents per token in flight; a policy does not
-preempt when that charge does not fit. Sequences of a suspended batch are never victims of a
-growth shortage.
+of its waiting queue (the back for a policy whose ``requeue_front`` is False) with its generated
+tokens kept. The memory model says how: by recompute (its blocks are freed, its next prefill
+recomputes prompt + generated tokens) or by swap (its written KV goes to host memory and comes
+back when it is admitted again, its next prefill feeds only the token whose KV was not written
+yet); the KV tokens swapped are charged to the next fresh batch (``Batch.swap_tokens``), whose
+executor pays the copy time. A request whose largest footprint exceeds the capacity is refused
+on arrival. A suspended batch also holds its saved activations (hidden states, routing and
+partial expert outputs), charged as ``activation_tokens_per_token`` KV-token equivalents per
+token in flight; a policy does not preempt when that charge does not fit. Sequences of a
+suspended batch are never victims of a growth shortage.
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ class Policy:
     # memory only shrinks during a run). The scheduler then cuts the run before the first
     # iteration whose blocks would not fit, and after a selection that evicted.
     decode_run_grows = False
+    # where a sequence preempted for memory goes back: the front of its waiting queue (vLLM,
+    # TGI), or its back (False: SGLang re-queues behind the requests already waiting)
+    requeue_front = True
 
     def __init__(
         self, max_batch_size: int | None = 32, max_batch_prefill_tokens: int = 4096
@@ -465,11 +468,12 @@ class Scheduler:
         return self.recomputes + self.swaps
 
     def evict(self, seq: Sequence) -> None:
-        """Preempt ``seq`` for memory and put it at the front of its waiting queue, its
-        generated tokens kept: by swap when the memory model swaps it out (its written KV
-        survives on host, its next prefill feeds the rest), else by recompute (its KV is freed,
-        its next prefill recomputes prompt + generated tokens). The caller has taken it out of
-        the batch or queue it was in."""
+        """Preempt ``seq`` for memory and put it back in its waiting queue (at the front, or
+        at the back when the policy's ``requeue_front`` is False), its generated tokens kept:
+        by swap when the memory model swaps it out (its written KV survives on host, its next
+        prefill feeds the rest), else by recompute (its KV is freed, its next prefill
+        recomputes prompt + generated tokens). The caller has taken it out of the batch or
+        queue it was in."""
         context = seq.context_tokens
         if self.memory.swap_out(seq):
             seq.prefilled_tokens = context
@@ -482,7 +486,10 @@ class Scheduler:
             self.recomputes += 1
         seq.chunk_tokens = 0
         seq.evicted = True
-        self.waiting[seq.cls].appendleft(seq)
+        if self.policy.requeue_front:
+            self.waiting[seq.cls].appendleft(seq)
+        else:
+            self.waiting[seq.cls].append(seq)
 
     def evict_ready(self, seq: Sequence) -> None:
         self.ready[seq.cls].remove(seq)
@@ -493,7 +500,7 @@ class Scheduler:
         its unfinished iteration is lost with them."""
         self.suspended.remove(batch)
         self.memory.release(self._held.pop(batch.id))
-        for seq in reversed(batch.sequences):
+        for seq in reversed(batch.sequences) if self.policy.requeue_front else batch.sequences:
             self.evict(seq)
 
     def _grow(self, batch: Batch) -> bool:

@@ -131,19 +131,30 @@ def test_sglang_threshold_is_strict_and_can_turn_preemption_off():
 def test_sglang_preempts_for_a_slot_never_for_kv_room_alone():
     """As SGLang's get_new_batch_prefill: a free slot but no KV room stops admission (NO_TOKEN)
     and preempts nobody; a full batch preempts lower-priority requests until the LS request
-    has a slot and its KV fits, or none."""
-    s = Scheduler(SGLang(), kv_capacity_tokens=40, memory=paged(40))
-    be = [s.arrive(req(i, prompt=8, out=4, t=0.1 * i), 0) for i in range(3)]  # 6 blocks
-    step(s)
-    s.arrive(req(3, "LS", prompt=20, out=4, t=1), 1)  # 5 blocks + 6 > 10, a slot free
+    fits the budget, or none. preempt_to_schedule credits a victim its budget charge, not the
+    KV it holds, so a request larger than the free KV never gets in by preempting."""
+    s = Scheduler(SGLang(), kv_capacity_tokens=64, memory=paged(64))
+    # 3 BE prompts of 8, 4 out: each charged 8 + 4 (12 < 64 - 12, then 12 < 64 - 24): 6 blocks
+    be = [s.arrive(req(i, prompt=8, out=4, t=0.1 * i), 0) for i in range(3)]
+    assert ids(step(s)) == [0, 1, 2]
+    s.arrive(req(3, "LS", prompt=44, out=4, t=1), 1)  # 24 + 44 > 64, a slot free
     assert step(s).phase is Phase.DECODE and s.recomputes == 0
-    full = Scheduler(SGLang(max_batch_size=3), kv_capacity_tokens=40, memory=paged(40))
-    be = [full.arrive(req(i, prompt=8, out=4, t=0.1 * i), 0) for i in range(3)]
-    step(full)
-    full.arrive(req(3, "LS", prompt=20, out=4, t=1), 1)  # no slot: one BE goes, and KV fits
-    assert ids(step(full)) == [3]
-    assert [q.recomputes for q in be] == [0, 0, 1]
-    s2 = Scheduler(SGLang(max_batch_size=3), kv_capacity_tokens=40, memory=paged(40))
+
+    def full(ls_prompt):
+        full = Scheduler(SGLang(max_batch_size=3), kv_capacity_tokens=64, memory=paged(64))
+        be = [full.arrive(req(i, prompt=8, out=4, t=0.1 * i), 0) for i in range(3)]
+        step(full)  # 24 of 64 in use; each BE charged min(4 - 1, 4096) x 0.7 = 2.1
+        full.arrive(req(3, "LS", prompt=ls_prompt, out=4, t=1), 1)
+        return full, be, full.next_batch(1)
+
+    # LS 20 + 4 - (40 - 6.3) = -9.7 <= 0: one victim for the slot (the latest BE arrival), then
+    # 24 < (40 + 8) - 4.2 admits it
+    _, be, batch = full(20)
+    assert ids(batch) == [3] and [q.recomputes for q in be] == [0, 0, 1]
+    # LS 44 + 4 - (40 - 6.3) = 14.3, less 2.1 per BE: 8.0 > 0 with all three, so none goes
+    s1, be, batch = full(44)
+    assert batch.phase is Phase.DECODE and s1.recomputes == 0
+    s2 = Scheduler(SGLang(max_batch_size=3), kv_capacity_tokens=64, memory=paged(64))
     for i in range(3):
         s2.arrive(req(i, "LS", prompt=8, out=4), 0)
     step(s2)
@@ -152,7 +163,9 @@ def test_sglang_preempts_for_a_slot_never_for_kv_room_alone():
 
 
 def test_sglang_retracts_fewest_generated_then_longest_prompt():
-    s = Scheduler(SGLang(), kv_capacity_tokens=24, memory=paged(24))
+    # prompts only charged (clip 0), so that B and C are admitted and the cache runs out
+    s = Scheduler(SGLang(clip_max_new_tokens_estimation=0), kv_capacity_tokens=24,
+                  memory=paged(24))  # fmt: skip
     a = s.arrive(req(0, prompt=4, out=20), 0)
     step(s)
     step(s)
@@ -162,6 +175,118 @@ def test_sglang_retracts_fewest_generated_then_longest_prompt():
     assert ids(step(s)) == [1, 2]  # prefill first: 5 blocks of 6 in use
     step(s)  # A needs none, B its third block, C a second: 7 > 6, retract one
     assert (a.recomputes, b.recomputes, c.recomputes) == (0, 1, 0)
+
+
+@pytest.mark.parametrize(("clip", "admitted"), [(4096, False), (30, True), (0, True)])
+def test_sglang_budget_refuses_what_the_prompts_kv_alone_would_admit(clip, admitted):
+    """PrefillAdder.add_one_req: A (8 + 150 out) runs in 200 tokens; B (8 + 100 out) is
+    refused, though its 8 prompt tokens fit: 108 >= 200 - 8 - 149 x 0.7 = 87.7. Outputs
+    clipped at 30: 8 + 30 < 192 - 30 x 0.7 = 171, admitted; prompts only (clip 0): 8 < 192."""
+    s = Scheduler(SGLang(clip_max_new_tokens_estimation=clip), kv_capacity_tokens=200,
+                  memory=paged(200))  # fmt: skip
+    s.arrive(req(0, prompt=8, out=150), 0)
+    step(s)  # A alone: 2 blocks
+    s.arrive(req(1, prompt=8, out=100, t=0.1), 0.1)
+    assert (ids(step(s, 0.1)) == [1]) is admitted
+
+
+def test_sglang_new_token_ratio_decays_per_decode_step_to_its_floor_and_resets_when_idle():
+    """update_running_batch: 0.7 lowers by (0.7 - 0.7 x 0.14) / 4 = 0.1505 a decode step (decay
+    steps 4), not at a prefill, to 0.098 and no lower; self_check_during_idle puts 0.7 back."""
+    policy = SGLang(new_token_ratio_decay_steps=4)
+    s = Scheduler(policy, kv_capacity_tokens=1000)
+    s.arrive(req(0, prompt=4, out=7), 0)
+    ratios = []
+    for _ in range(7):  # the prefill, then 6 decodes (the last finishes the request)
+        step(s)
+        ratios.append(policy.new_token_ratio)
+    assert ratios == pytest.approx([0.7, 0.5495, 0.399, 0.2485, 0.098, 0.098, 0.098])
+    assert s.next_batch(1) is None and policy.new_token_ratio == 0.7  # idle
+
+
+def test_sglang_the_decay_lets_a_refused_request_in():
+    """A (8 + 150 out) runs in 200 tokens, B (8 + 100 out) waits (108 >= 87.7, test above).
+    With decay steps 10 (0.0602 a step), the selection after k decodes leaves 200 - A's
+    ceil((8 + k) / 4) blocks - (149 - k) x (0.7 - 0.0602 k): 93.3, 102.8, then 112.2 > 108 at
+    k = 3. With no decay (floor = initial ratio) A's blocks grow faster than its charge falls:
+    84.4, 85.1, ... 82.7 after 10 decodes, all < 108."""
+    s = Scheduler(SGLang(new_token_ratio_decay_steps=10), kv_capacity_tokens=200,
+                  memory=paged(200))  # fmt: skip
+    s.arrive(req(0, prompt=8, out=150), 0)
+    step(s)
+    s.arrive(req(1, prompt=8, out=100), 0)
+    assert [step(s).phase for _ in range(4)] == [Phase.DECODE] * 3 + [Phase.PREFILL]
+    fixed = Scheduler(SGLang(min_new_token_ratio_factor=1.0), kv_capacity_tokens=200,
+                      memory=paged(200))  # fmt: skip
+    fixed.arrive(req(0, prompt=8, out=150), 0)
+    step(fixed)
+    fixed.arrive(req(1, prompt=8, out=100), 0)
+    assert [step(fixed).phase for _ in range(10)] == [Phase.DECODE] * 10
+
+
+def test_sglang_a_retraction_sets_the_ratio_from_the_requests_left():
+    """retract_decode, prompts only charged (clip 0) in 12 blocks: A (4 + 40 out) has 3 tokens
+    and 2 blocks; B (24) and C (12) are admitted (24 < 40, 12 < 40 - 24), D (8) is not
+    (8 >= 4). The next decode needs A none, B a 7th block, C a 4th: 13 > 12, B (1 generated,
+    longest prompt) is retracted. The ratio becomes, over A and C, (3 + 1 + 20 x 2) /
+    (40 + 10 + 1) = 44/51, not a decay of the old one; the next decode lowers it one step.
+    B re-queues behind D, which was waiting (_add_request_to_queue: a new entry time), so D
+    is admitted first."""
+    policy = SGLang(clip_max_new_tokens_estimation=0)
+    s = Scheduler(policy, kv_capacity_tokens=48, memory=paged(48))
+    a = s.arrive(req(0, prompt=4, out=40), 0)
+    for _ in range(3):
+        step(s)
+    b = s.arrive(req(1, prompt=24, out=10, t=0.1), 0.1)
+    c = s.arrive(req(2, prompt=12, out=10, t=0.2), 0.2)
+    d = s.arrive(req(3, prompt=8, out=10, t=0.3), 0.3)
+    assert ids(step(s)) == [1, 2]
+    assert ids(step(s)) == [0, 2] and b.recomputes == 1
+    assert policy.new_token_ratio == 44 / 51
+    assert list(s.waiting["BE"]) == [d, b]
+    assert ids(step(s)) == [3]  # D first (8 < 48 - 24); B, 24 + 1 to recompute, waits
+    assert policy.new_token_ratio == 44 / 51  # a prefill: no decay
+    assert step(s).phase is Phase.DECODE  # B: 25 >= 48 - 32
+    assert policy.new_token_ratio == 44 / 51 - (0.7 - 0.7 * 0.14) / 600
+    assert (a.recomputes, c.recomputes, d.recomputes) == (0, 0, 0)
+
+
+def test_sglang_a_request_alone_is_admitted_whatever_the_budget():
+    """8 + 32 >= 40 free on an empty server would be refused forever (SGLang waits); alone, it
+    is admitted since its KV fits, and leaves 40 - (8 + 32) = 0: admission stops there."""
+    s = Scheduler(SGLang(), kv_capacity_tokens=40, memory=paged(40))
+    s.arrive(req(0, prompt=8, out=32), 0)
+    s.arrive(req(1, prompt=4, out=4), 0)
+    assert ids(step(s)) == [0]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("schedule_conservativeness", -0.5, "a number >= 0"),
+        ("schedule_conservativeness", True, "a number >= 0"),
+        ("init_new_token_ratio", "0.7", "a number >= 0"),
+        ("min_new_token_ratio_factor", float("nan"), "a number >= 0"),
+        ("new_token_ratio_decay_steps", 0, "an integer >= 1"),
+        ("new_token_ratio_decay_steps", 2.5, "an integer >= 1"),
+        ("retract_decode_steps", -1, "an integer >= 0"),
+        ("clip_max_new_tokens_estimation", -1, "an integer >= 0"),
+    ],
+)
+def test_sglang_budget_options_are_checked(key, value, expected):
+    with pytest.raises(ValueError, match=f"^{key}={value}: must be {expected}$"):
+        SGLang(**{key: value})
+
+
+def test_sglang_ratio_settings_follow_sglangs_formulas():
+    """init = min(0.7 x conservativeness, 1), floor = min(init x 0.14, 1), step = (init -
+    floor) / decay steps."""
+    default = SGLang()
+    assert (default.init_ratio, default.min_ratio) == (0.7, 0.7 * 0.14)
+    assert default.ratio_step == (0.7 - 0.7 * 0.14) / 600
+    cautious = SGLang(schedule_conservativeness=2.0)
+    assert (cautious.init_ratio, cautious.min_ratio) == (1.0, 0.14)
+    assert cautious.new_token_ratio == 1.0
 
 
 # ------------------------------------------------------------------ qllm evicts BE for LS

@@ -9,6 +9,7 @@ the two paths see the very same floats. Any difference is a bug.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -422,3 +423,55 @@ def test_try_grow_is_can_grow_then_grow():
             if rng.integers(10) == 0:
                 assert one.free(seq) == two.free(seq)
         assert answers == {True, False}  # the cache filled up
+
+
+def sglang_decay_runs(arrival_s: float, runs_before=None, on_decodes=None, monkeypatch=None):
+    """A (8 prompt + 150 out) runs alone in 200 KV tokens; B (8 + 100 out) arrives at
+    ``arrival_s`` and waits for SGLang's budget (8 + 100 against 200 less A's blocks and its
+    149 tokens to come x 0.7: 87.7), which only the ratio's decay (40 steps from 0.7 to
+    0.098, 0.01505 a step) opens while A decodes: the selection after 12 decodes leaves
+    200 - 20 - 137 x 0.5194 = 108.8 > 108 (after 11: 200 - 20 - 138 x 0.5345 = 106.2).
+    Returns (fast-forward, stepping) results."""
+    if runs_before is not None:
+        monkeypatch.setattr(SGLang, "_runs_before", runs_before)
+    if on_decodes is not None:
+        monkeypatch.setattr(SGLang, "on_decodes", on_decodes)
+    profile = linear_profile(attn_ms=1.3, expert_ms=0.37, overhead_ms=2.9)
+    m = profile.model
+    reqs = [Request(0, "BE", 0.0, 8, 150), Request(1, "BE", arrival_s, 8, 100)]
+    results = []
+    for fast_forward in (True, False):
+        routing = RoutingModel(m.num_layers, m.num_experts, m.top_k, seed=1)
+        sched = Scheduler(SGLang(new_token_ratio_decay_steps=40), kv_capacity_tokens=0,
+                          memory=PagedMemory(200, 4, watermark=0.0))  # fmt: skip
+        sim = Simulation(reqs, sched, LatencyModel(profile, routing), fast_forward=fast_forward)
+        results.append(sim.run())
+    return results
+
+
+def same_tokens(a, b) -> bool:
+    pairs = zip(*(sorted(r.sequences, key=lambda q: q.id) for r in (a, b)), strict=True)
+    return all(p.finish_s == q.finish_s and p.token_gaps_s.tobytes() == q.token_gaps_s.tobytes()
+               for p, q in pairs)  # fmt: skip
+
+
+@pytest.mark.parametrize("arrival_s", [0.0, 0.05])
+def test_sglang_runs_end_where_the_ratios_decay_admits_the_head(arrival_s, monkeypatch):
+    """SGLang's ``decode_run`` bounds a run by the selection at which the waiting head could
+    pass the budget as the ratio decays, and ``on_decodes`` decays the ratio by the decodes
+    applied at once: fast-forward gives stepping's results, with B admitted long before A
+    ends. A run that ignored the decay (no bound) admits B only when A finishes, and one
+    whose ratio skipped the bulk decodes admits it later: both differ from stepping."""
+    ff, ref = sglang_decay_runs(arrival_s)
+    assert same_tokens(ff, ref)
+    assert ff.events < ref.events
+    a, b = sorted(ref.sequences, key=lambda q: q.id)
+    assert b.first_token_s < a.finish_s / 5  # the decay, not A's end, let B in
+    assert a.generated == 150 and len(a.token_gaps_s) == 149
+    unbounded, ref2 = sglang_decay_runs(arrival_s, lambda self, s, batch, head: math.inf,
+                                        monkeypatch=monkeypatch)  # fmt: skip
+    assert same_tokens(ref2, ref) and not same_tokens(unbounded, ref)
+    monkeypatch.undo()
+    stale, _ = sglang_decay_runs(arrival_s, on_decodes=lambda self, s, batch, ends_s: None,
+                                 monkeypatch=monkeypatch)  # fmt: skip
+    assert not same_tokens(stale, ref)

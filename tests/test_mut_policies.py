@@ -211,7 +211,8 @@ def test_sglang_fills_the_prefill_budget_exactly():
 
 def test_sglang_ls_arrivals_preempt_one_be_each_for_their_slots():
     """Two BE requests fill both slots; two LS arrivals each need a slot: both BE requests are
-    preempted (the later arrival first), and both LS prompts run together."""
+    preempted (the later arrival first), and both LS prompts run together. Each re-queues
+    behind the requests already waiting (SGLang's _add_request_to_queue), so 1 before 0."""
     s = Scheduler(SGLang(max_batch_size=2), kv_capacity_tokens=10_000)
     be = [s.arrive(req(0, out=20), 0), s.arrive(req(1, out=20), 0)]
     step(s)
@@ -219,7 +220,26 @@ def test_sglang_ls_arrivals_preempt_one_be_each_for_their_slots():
     s.arrive(req(3, "LS", t=0.5), 0.5)
     assert ids(step(s)) == [2, 3]
     assert [q.recomputes for q in be] == [1, 1] and s.recomputes == 2
-    assert [q.id for q in s.waiting["BE"]] == [0, 1]
+    assert [q.id for q in s.waiting["BE"]] == [1, 0]
+
+
+def test_sglang_requeues_a_preempted_request_behind_those_waiting_by_entry_time():
+    """With one priority for both classes the queue is in entry order across classes: BE 0,
+    retracted at 1.0 (evicted by hand, as ``Scheduler._grow`` does with ``victim``'s choice),
+    goes behind LS 1 and LS 2, which arrived at 0.1 and 0.5, and ahead of LS 3, arriving at
+    1.5 (by arrival alone it would lead)."""
+    policy = SGLang(max_batch_size=1, ls_priority=5, be_priority=5)
+    s = Scheduler(policy, kv_capacity_tokens=100)
+    be = s.arrive(req(0, out=20), 0)
+    s.arrive(req(1, "LS", out=20, t=0.1), 0.1)
+    assert ids(step(s, 0.1)) == [0]
+    s.arrive(req(2, "LS", t=0.5), 0.5)
+    assert ids(step(s, 1.0)) == [0]  # full: decode; the selection at 1.0
+    policy._requeued(be)  # what victim() notes of the request it retracts
+    s.evict_ready(be)
+    s.arrive(req(3, "LS", t=1.5), 1.5)
+    assert ids_of(policy._waiting(s)) == [1, 2, 0, 3]
+    assert policy._head(s).id == 1
 
 
 def test_sglang_preempts_the_higher_id_among_equal_arrivals():

@@ -26,7 +26,8 @@ from realrun.prompts import build_prompts
     [
         # vLLM grows its running requests before it admits: a smaller cache to preempt in
         (lambda: VLLM(max_num_seqs=8, scheduling_policy="priority"), 100),
-        (lambda: SGLang(max_batch_size=6), 120),
+        # SGLang's budget on prompts only (clip 0), so that the cache runs out and it retracts
+        (lambda: SGLang(max_batch_size=6, clip_max_new_tokens_estimation=0), 100),
         (lambda: QLLM(max_batch_size=6, evict_be_for_ls=True), 120),
     ],
     ids=["vllm", "sglang", "qllm-evict"],
