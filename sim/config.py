@@ -168,6 +168,9 @@ IGNORED_UNLESS = [
 ]  # fmt: skip
 DEFAULTS = {"workload": WorkloadConfig(), "profile": ProfileConfig(), "cluster": ClusterConfig(),
             "memory": MemoryConfig()}  # fmt: skip
+# the keys of a synthetic length distribution that each ``dist`` reads (synthetic.lengths)
+LENGTH_KEYS_READ = {"fixed": ("tokens",), "uniform": ("min", "max"),
+                    "lognormal": ("tokens", "sigma", "min", "max")}  # fmt: skip
 
 
 def ignored_keys(cfg: Any) -> list[str]:
@@ -192,6 +195,15 @@ def ignored_keys(cfg: Any) -> list[str]:
                     for k, v in value.items() if v != default.get(k)]  # fmt: skip
         else:
             out.append(f"{group}.{key}={value} is ignored without {unless}")
+    if _kind(cfg) == "synthetic":  # a length key its distribution does not read
+        for name in ("prompt", "output"):
+            lengths = cfg.workload[name]
+            for key in ("tokens", "min", "max", "sigma"):
+                value, unread = lengths[key], key not in LENGTH_KEYS_READ[_name(lengths.dist)]
+                if unread and value != getattr(LengthConfig(), key):
+                    readers = " or ".join(d for d, keys in LENGTH_KEYS_READ.items() if key in keys)
+                    out.append(f"workload.{name}.{key}={value} is ignored without "
+                               f"workload.{name}.dist={readers}")  # fmt: skip
     return out
 
 
