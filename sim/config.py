@@ -237,8 +237,9 @@ def validate(cfg: Any) -> None:
         d = w[name]
         need(1 <= d.min <= d.max, f"workload.{name}.min", d.min, f"must be in [1, {name}.max]")
         need(d.tokens >= 1, f"workload.{name}.tokens", d.tokens, "must be >= 1")
-        need(d.min <= d.tokens <= d.max, f"workload.{name}.tokens", d.tokens,
-             f"must be in [{name}.min, {name}.max] = [{d.min}, {d.max}]")  # fmt: skip
+        if "tokens" in LENGTH_KEYS_READ[_name(d.dist)]:  # a uniform length never reads it
+            need(d.min <= d.tokens <= d.max, f"workload.{name}.tokens", d.tokens,
+                 f"must be in [{name}.min, {name}.max] = [{d.min}, {d.max}]")  # fmt: skip
         need(d.sigma > 0, f"workload.{name}.sigma", d.sigma, "must be > 0")
     if p.kv_capacity_tokens is not None:
         need(

@@ -489,6 +489,20 @@ def test_a_key_set_where_nothing_reads_it_is_named(overrides, said):
     assert sorted(ignored_keys(cfg)) == sorted(said)
 
 
+def test_a_uniform_length_needs_no_tokens_within_its_bounds():
+    """A uniform length never reads ``tokens``: its default (128) outside [min, max] must not
+    refuse the run; fixed and lognormal lengths, which read it, still check it."""
+    from sim.config import validate
+
+    bounds = ["workload=synthetic", "workload.prompt.min=512", "workload.prompt.max=1024"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        validate(compose("config", overrides=[*bounds, "workload.prompt.dist=uniform"]))
+        for dist in ("fixed", "lognormal"):
+            cfg = compose("config", overrides=[*bounds, f"workload.prompt.dist={dist}"])
+            with pytest.raises(UserError, match=r"workload.prompt.tokens=128: must be in"):
+                validate(cfg)
+
+
 @pytest.mark.parametrize("workload", ["paper", "sharegpt", "humaneval", "card", "synthetic",
                                       "trace"])  # fmt: skip
 def test_no_preset_workload_sets_a_key_it_ignores(workload):
