@@ -216,6 +216,8 @@ def validate(cfg: Any) -> None:
             raise UserError(f"{key}={value}: {allowed}")
 
     need(w.num_requests >= 1, "workload.num_requests", w.num_requests, "must be >= 1")
+    seed = getattr(cfg, "seed", 0)  # numpy's SeedSequence takes no negative seed
+    need(seed >= 0, "seed", seed, "must be >= 0")
     arrival = w.arrival.value if isinstance(w.arrival, enum.Enum) else w.arrival
     if w.rate is None:
         need(arrival == "trace", "workload.rate", None, "required unless workload.arrival=trace")
