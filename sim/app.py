@@ -45,12 +45,13 @@ def check(cfg: DictConfig) -> None:
     where nothing reads it."""
     validate(cfg)
     lines = [f"warning: {line}" for line in ignored_keys(cfg)]
-    rows = _trace_rows(cfg.workload)
-    if rows is not None and cfg.workload.num_requests > rows:
-        lines.append(f"note: workload.num_requests={cfg.workload.num_requests} is more than the "
-                     f"trace's {rows} requests: it is replayed "
-                     f"{cfg.workload.num_requests / rows:.3g} times over (its bursts "
-                     "recur)")  # fmt: skip
+    rows, n = _trace_rows(cfg.workload), cfg.workload.num_requests
+    if rows is not None and n > rows:
+        lines.append(f"note: workload.num_requests={n} is more than the trace's {rows} requests: "
+                     f"it is replayed {n / rows:.3g} times over (its bursts recur)")  # fmt: skip
+    elif rows is not None and n < rows:  # the preset's default of 1,000: a trace's first minutes
+        lines.append(f"note: workload.num_requests={n} replays the first {n} of the trace's "
+                     f"{rows} requests ({n / rows:.1%}); the rest are not used")  # fmt: skip
     for line in lines:
         if line not in _ignored_warned:
             _ignored_warned.add(line)

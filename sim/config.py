@@ -168,6 +168,9 @@ IGNORED_UNLESS = [
 ]  # fmt: skip
 DEFAULTS = {"workload": WorkloadConfig(), "profile": ProfileConfig(), "cluster": ClusterConfig(),
             "memory": MemoryConfig()}  # fmt: skip
+# the keys of a synthetic length distribution that each ``dist`` reads (synthetic.lengths)
+LENGTH_KEYS_READ = {"fixed": ("tokens",), "uniform": ("min", "max"),
+                    "lognormal": ("tokens", "sigma", "min", "max")}  # fmt: skip
 
 
 def ignored_keys(cfg: Any) -> list[str]:
@@ -192,6 +195,15 @@ def ignored_keys(cfg: Any) -> list[str]:
                     for k, v in value.items() if v != default.get(k)]  # fmt: skip
         else:
             out.append(f"{group}.{key}={value} is ignored without {unless}")
+    if _kind(cfg) == "synthetic":  # a length key its distribution does not read
+        for name in ("prompt", "output"):
+            lengths = cfg.workload[name]
+            for key in ("tokens", "min", "max", "sigma"):
+                value, unread = lengths[key], key not in LENGTH_KEYS_READ[_name(lengths.dist)]
+                if unread and value != getattr(LengthConfig(), key):
+                    readers = " or ".join(d for d, keys in LENGTH_KEYS_READ.items() if key in keys)
+                    out.append(f"workload.{name}.{key}={value} is ignored without "
+                               f"workload.{name}.dist={readers}")  # fmt: skip
     return out
 
 
@@ -204,6 +216,8 @@ def validate(cfg: Any) -> None:
             raise UserError(f"{key}={value}: {allowed}")
 
     need(w.num_requests >= 1, "workload.num_requests", w.num_requests, "must be >= 1")
+    seed = getattr(cfg, "seed", 0)  # numpy's SeedSequence takes no negative seed
+    need(seed >= 0, "seed", seed, "must be >= 0")
     arrival = w.arrival.value if isinstance(w.arrival, enum.Enum) else w.arrival
     if w.rate is None:
         need(arrival == "trace", "workload.rate", None, "required unless workload.arrival=trace")
@@ -225,8 +239,9 @@ def validate(cfg: Any) -> None:
         d = w[name]
         need(1 <= d.min <= d.max, f"workload.{name}.min", d.min, f"must be in [1, {name}.max]")
         need(d.tokens >= 1, f"workload.{name}.tokens", d.tokens, "must be >= 1")
-        need(d.min <= d.tokens <= d.max, f"workload.{name}.tokens", d.tokens,
-             f"must be in [{name}.min, {name}.max] = [{d.min}, {d.max}]")  # fmt: skip
+        if "tokens" in LENGTH_KEYS_READ[_name(d.dist)]:  # a uniform length never reads it
+            need(d.min <= d.tokens <= d.max, f"workload.{name}.tokens", d.tokens,
+                 f"must be in [{name}.min, {name}.max] = [{d.min}, {d.max}]")  # fmt: skip
         need(d.sigma > 0, f"workload.{name}.sigma", d.sigma, "must be > 0")
     if p.kv_capacity_tokens is not None:
         need(

@@ -384,6 +384,19 @@ def test_a_trace_shorter_than_num_requests_is_said_to_be_repeated(tmp_path):
             "replayed 2.5 times over (its bursts recur)") in r.stderr.splitlines()  # fmt: skip
 
 
+def test_a_trace_longer_than_num_requests_is_said_to_be_cut(tmp_path):
+    """workload=trace without num_requests replays the default 1,000 requests: of the
+    conversation trace, its first 5% (at 4.6 req/s, not its 5.5); the run says so."""
+    lines = (ROOT / "data" / "traces" / "splitwise_conv.csv").read_text().splitlines()[:41]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")  # 40 requests
+    r = qllm_sim("workload=trace", f"workload.path={tmp_path / 't.csv'}",
+                 "workload.num_requests=10", f"hydra.run.dir={tmp_path / 'r'}",
+                 cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert ("note: workload.num_requests=10 replays the first 10 of the trace's 40 requests "
+            "(25.0%); the rest are not used") in r.stderr.splitlines()  # fmt: skip
+
+
 def test_a_skipped_run_keeps_its_config_labelled_with_its_profile(tmp_path):
     """Hydra rewrites a sweep job's .hydra/config.yaml when it launches it, with the profile
     name the command gave; a resumed sweep that skips the finished run must put the profile's
@@ -448,6 +461,15 @@ def _load_in(cwd, name):
     (["workload.prompt.dist=lognormal", "workload.prompt.tokens=64"],
      ["workload.prompt.tokens=64 is ignored without workload.kind=synthetic",
       "workload.prompt.dist=lognormal is ignored without workload.kind=synthetic"]),
+    # a synthetic length key its distribution does not read: fixed lengths, without a word
+    (["workload=synthetic", "workload.prompt.min=100", "workload.prompt.max=200",
+      "workload.output.sigma=2"],
+     ["workload.prompt.min=100 is ignored without workload.prompt.dist=uniform or lognormal",
+      "workload.prompt.max=200 is ignored without workload.prompt.dist=uniform or lognormal",
+      "workload.output.sigma=2.0 is ignored without workload.output.dist=lognormal"]),
+    (["workload=synthetic", "workload.output.dist=uniform", "workload.output.min=100",
+      "workload.output.max=200", "workload.output.tokens=150"],
+     ["workload.output.tokens=150 is ignored without workload.output.dist=fixed or lognormal"]),
     (["profile.routing_skew=2"],
      ["profile.routing_skew=2.0 is ignored without profile.routing=zipf"]),
     (["cluster.ls_replicas=2"],
@@ -463,6 +485,8 @@ def _load_in(cwd, name):
       "memory.block_size_tokens=64", "memory.watermark=0"], []),
     (["workload.arrival=gamma", "workload.cv=4"], []),
     (["workload=synthetic", "workload.prompt.tokens=64"], []),
+    (["workload=synthetic", "workload.prompt.dist=lognormal", "workload.prompt.sigma=2",
+      "workload.prompt.min=8", "workload.prompt.max=900", "workload.prompt.tokens=64"], []),
     (["cluster.replicas=3", "cluster.router=ls_dedicated", "cluster.ls_replicas=2"], []),
     (["profile.routing=zipf", "profile.routing_skew=2"], []),
     (["workload.peak_to_trough=2", "workload.period_s=100"], []),
@@ -476,6 +500,20 @@ def test_a_key_set_where_nothing_reads_it_is_named(overrides, said):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     assert sorted(ignored_keys(cfg)) == sorted(said)
+
+
+def test_a_uniform_length_needs_no_tokens_within_its_bounds():
+    """A uniform length never reads ``tokens``: its default (128) outside [min, max] must not
+    refuse the run; fixed and lognormal lengths, which read it, still check it."""
+    from sim.config import validate
+
+    bounds = ["workload=synthetic", "workload.prompt.min=512", "workload.prompt.max=1024"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        validate(compose("config", overrides=[*bounds, "workload.prompt.dist=uniform"]))
+        for dist in ("fixed", "lognormal"):
+            cfg = compose("config", overrides=[*bounds, f"workload.prompt.dist={dist}"])
+            with pytest.raises(UserError, match=r"workload.prompt.tokens=128: must be in"):
+                validate(cfg)
 
 
 @pytest.mark.parametrize("workload", ["paper", "sharegpt", "humaneval", "card", "synthetic",

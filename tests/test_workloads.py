@@ -165,6 +165,25 @@ def test_cache_follows_the_source_file_and_survives_corruption(tmp_path, monkeyp
     assert cached.read_bytes().startswith(b"PAR1")
 
 
+def test_cache_follows_an_edit_that_keeps_size_and_modification_time(tmp_path, monkeypatch):
+    """cp -p, rsync -a or tar put an edited file back with its old modification time: an
+    edit of the same size must still not be served the lengths cached before it."""
+    import os
+
+    monkeypatch.setenv("QLLM_CACHE_DIR", str(tmp_path / "cache"))
+    question = "What is the capital city of France?"
+    old, new = "Paris is the capital of France, a big city.", "Paris. " * 5 + "Paris"
+    new += "." * (len(old) - len(new))  # the same size
+    assert count_tokens([old]) != count_tokens([new])
+    path = write_sharegpt(tmp_path / "s.json", [conversation(question, old)])
+    stat = path.stat()
+    assert sharegpt.load_pool(path).output_tokens.tolist() == count_tokens([old])
+    write_sharegpt(path, [conversation(question, new)])
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size
+    assert sharegpt.load_pool(path).output_tokens.tolist() == count_tokens([new])
+
+
 def test_full_file_loads_without_warning(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("QLLM_CACHE_DIR", str(tmp_path / "cache"))
     path = write_sharegpt(

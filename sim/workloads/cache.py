@@ -40,8 +40,10 @@ def cache_dir() -> Path:
 
 
 def _file_id(path: Path) -> list:
+    # the change time too: an edit that keeps the size and restores the modification time
+    # (cp -p, rsync -a, tar) still changes it, and no user can set it back
     stat = path.stat()
-    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
 
 
 @functools.cache
