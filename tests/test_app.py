@@ -373,28 +373,22 @@ def test_a_sweep_checks_every_combination_before_any_run(tmp_path):
     assert not sweep.exists()
 
 
-def test_a_trace_shorter_than_num_requests_is_said_to_be_repeated(tmp_path):
+@pytest.mark.parametrize("num_requests, note", [
+    (100, "note: workload.num_requests=100 is more than the trace's 40 requests: it is "
+          "replayed 2.5 times over (its bursts recur)"),
+    # without num_requests, workload=trace replays the default 1,000 requests: of the
+    # conversation trace, its first 5% (at 4.6 req/s, not its 5.5); the run says so
+    (10, "note: workload.num_requests=10 replays the first 10 of the trace's 40 requests "
+         "(25.0%); the rest are not used"),
+])  # fmt: skip
+def test_a_trace_repeated_or_cut_to_num_requests_is_said_to_be(tmp_path, num_requests, note):
     lines = (ROOT / "data" / "traces" / "splitwise_conv.csv").read_text().splitlines()[:41]
     (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")  # 40 requests
     r = qllm_sim("workload=trace", f"workload.path={tmp_path / 't.csv'}",
-                 "workload.num_requests=100", f"hydra.run.dir={tmp_path / 'r'}",
+                 f"workload.num_requests={num_requests}", f"hydra.run.dir={tmp_path / 'r'}",
                  cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert ("note: workload.num_requests=100 is more than the trace's 40 requests: it is "
-            "replayed 2.5 times over (its bursts recur)") in r.stderr.splitlines()  # fmt: skip
-
-
-def test_a_trace_longer_than_num_requests_is_said_to_be_cut(tmp_path):
-    """workload=trace without num_requests replays the default 1,000 requests: of the
-    conversation trace, its first 5% (at 4.6 req/s, not its 5.5); the run says so."""
-    lines = (ROOT / "data" / "traces" / "splitwise_conv.csv").read_text().splitlines()[:41]
-    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")  # 40 requests
-    r = qllm_sim("workload=trace", f"workload.path={tmp_path / 't.csv'}",
-                 "workload.num_requests=10", f"hydra.run.dir={tmp_path / 'r'}",
-                 cwd=tmp_path)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert ("note: workload.num_requests=10 replays the first 10 of the trace's 40 requests "
-            "(25.0%); the rest are not used") in r.stderr.splitlines()  # fmt: skip
+    assert note in r.stderr.splitlines()
 
 
 def test_a_skipped_run_keeps_its_config_labelled_with_its_profile(tmp_path):
