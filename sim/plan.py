@@ -1019,6 +1019,12 @@ def main(argv=None) -> int:
     written = "plan.csv, " + ("target.csv, " if target else "") + "frontier.png, evaluations.csv"
     print(f"\n{len(runs.made)} runs made, {len(runs.reused)} reused, in "
           f"{time.perf_counter() - start:.0f} s -> {out}/: {written}")  # fmt: skip
+    stopped = sum(bool((r := cache.get(t, fps[t[0]])) and r["stopped"]) for t in runs.made)
+    if stopped:
+        print(
+            f"{stopped} of the runs made stopped once certain to miss the targets (their "
+            "rows in evaluations.csv have no figures; --full-runs runs them to the end)"
+        )
     return 0
 
 

@@ -129,7 +129,9 @@ def test_a_search_that_stops_runs_answers_as_one_that_runs_them_all(tmp_path, ca
     """The same search with and without --full-runs: the same plan.csv and target.csv, every
     run judged alike; the stopped runs (there are some) keep no figures but the bound."""
     assert plan.main([*SEARCH, "--out", str(tmp_path / "stop")]) == 0
+    said = capsys.readouterr().out
     assert plan.main([*SEARCH, "--full-runs", "--out", str(tmp_path / "full")]) == 0
+    assert "stopped once certain" not in capsys.readouterr().out
     for name in ("plan.csv", "target.csv"):
         assert read(tmp_path / "stop" / name) == read(tmp_path / "full" / name), name
     stop, full = (read(tmp_path / d / "evaluations.csv") for d in ("stop", "full"))
@@ -140,6 +142,7 @@ def test_a_search_that_stops_runs_answers_as_one_that_runs_them_all(tmp_path, ca
     assert {key(r): r["ok"] for r in stop} == {key(r): r["ok"] for r in full}
     stopped = [r for r in stop if r["stopped"]]
     assert stopped and not any(r["stopped"] for r in full)
+    assert f"{len(stopped)} of the runs made stopped once certain to miss the targets" in said
     figures = {key(r): r for r in full}
     for r in stopped:
         assert r["ok"] == "False" and r["ls_ttft_p99_s"] == r["goodput"] == ""
