@@ -42,7 +42,6 @@ import argparse
 import copy
 import csv
 import functools
-import itertools
 import math
 import re
 import sys
@@ -361,7 +360,7 @@ def evaluate(task: tuple, targets: Targets | None = None) -> dict:
         # the largest request alone: what the whole run would have refused (a request no
         # replica can hold) is not left unsaid by a stop before it arrived
         big = int(np.argmax(workload.jobs.prompt + workload.jobs.output))
-        simulate(cfg, requests=[next(itertools.islice(iter(workload), big, None))], warn=False)
+        simulate(cfg, requests=[workload.request(big)], warn=False)
         key, value = parse_stopped(str(e))
         return {**row, **dict.fromkeys(("ls_ttft_p99_s", "goodput", "jobs_per_s", *BE_COST), ""),
                 "keeps_up": value if key == "keeps_up" else "", "stopped": str(e)}  # fmt: skip
@@ -908,7 +907,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cache = Evaluations(out / "evaluations.csv")
     if cache.set_aside is not None:
-        print(f"qllm-plan: {out}/evaluations.csv is of an older layout (no inputs digest): set "
+        print(f"qllm-plan: {out}/evaluations.csv is of an older layout (other columns): set "
               f"aside as {cache.set_aside.name}, its runs not reused", file=sys.stderr)  # fmt: skip
     if cache.malformed:
         print(f"qllm-plan: warning: {cache.malformed} rows of {out}/evaluations.csv could not be "
@@ -1017,14 +1016,14 @@ def main(argv=None) -> int:
         print("\nbest ls_dedicated split (LS replicas), of those searched:")
         print("\n".join(splits))
     written = "plan.csv, " + ("target.csv, " if target else "") + "frontier.png, evaluations.csv"
-    print(f"\n{len(runs.made)} runs made, {len(runs.reused)} reused, in "
-          f"{time.perf_counter() - start:.0f} s -> {out}/: {written}")  # fmt: skip
     stopped = sum(bool((r := cache.get(t, fps[t[0]])) and r["stopped"]) for t in runs.made)
-    if stopped:
+    if stopped:  # before the last line, which says what was made
         print(
-            f"{stopped} of the runs made stopped once certain to miss the targets (their "
+            f"\n{stopped} of the runs made stopped once certain to miss the targets (their "
             "rows in evaluations.csv have no figures; --full-runs runs them to the end)"
         )
+    print(f"\n{len(runs.made)} runs made, {len(runs.reused)} reused, in "
+          f"{time.perf_counter() - start:.0f} s -> {out}/: {written}")  # fmt: skip
     return 0
 
 

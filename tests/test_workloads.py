@@ -465,3 +465,17 @@ def test_a_streamed_workload_refuses_arrival_times_out_of_order():
         == [0.0, 1.0, 1.0]  # fmt: skip
     with pytest.raises(ValueError, match="must not decrease"):
         Workload(np.array([0.0, 2.0, 1.0]), np.zeros(3, bool), jobs)
+
+
+def test_a_streamed_workloads_request_alone_is_the_one_iteration_makes():
+    """``Workload.request(i)`` (qllm-plan checks a stopped run's largest request with it) is
+    request i as the replay makes it, past the first chunk too."""
+    from sim.workloads import stream_workload
+
+    cfg = OmegaConf.structured(WorkloadConfig(kind=WorkloadKind.synthetic, num_requests=5000,
+                                              rate=50.0, ls_fraction=0.3))  # fmt: skip
+    workload = stream_workload(cfg, seed=3)
+    made = list(workload)
+    for i in (0, 1, 4095, 4096, 4999):
+        assert workload.request(i) == made[i]
+    assert {made[i].cls for i in range(5000)} == {"LS", "BE"}

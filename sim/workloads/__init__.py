@@ -118,6 +118,13 @@ class Workload:
     def __len__(self) -> int:
         return len(self.times)
 
+    def request(self, i: int) -> Request:
+        """Request ``i`` alone, as iterating makes it."""
+        ls, jobs = bool(self.is_ls[i]), self.jobs
+        return Request(id=i, cls=LS if ls else BE, arrival_s=float(self.times[i]),
+                       prompt_tokens=int(jobs.prompt[i]), output_tokens=int(jobs.output[i]),
+                       source=jobs.source[i], text=jobs.text[i])  # fmt: skip
+
     def __iter__(self) -> Iterator[Request]:
         jobs = self.jobs
         for start in range(0, len(self), self.CHUNK):
