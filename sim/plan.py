@@ -167,7 +167,7 @@ class Verdict:
                 bound = (self.n_slo - self.missed) / self.n_slo
                 if bound < self.targets.goodput:
                     return self._stop(f"goodput<={bound!r}")
-        if request.cls == LS and ttft > self.ls_late_s:
+        if cls == LS and ttft > self.ls_late_s:
             self.ls_late += 1
             if self.ls_late >= self.ls_late_needed:
                 return self._stop(f"ls_ttft_p99_s>{self.targets.ls_ttft_p99_s!r}")
