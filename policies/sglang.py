@@ -271,6 +271,14 @@ class SGLang(Policy):
                             (max_new + 1)))  # fmt: skip
         return chosen
 
+    def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
+        """A finished sequence's re-queue entry is dropped: on a long run the entries would
+        otherwise grow with every request ever retracted or preempted."""
+        if self._entries:
+            for q in batch.sequences:
+                if q.finish_s is not None:
+                    self._entries.pop(q.id, None)
+
     # ---------------------------------------------------------------------------- fast-forward
     def on_decodes(self, s: Scheduler, batch: Batch, ends_s) -> None:
         self._decays += len(ends_s)  # the selections of the decodes applied at once

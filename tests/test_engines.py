@@ -177,6 +177,26 @@ def test_sglang_retracts_fewest_generated_then_longest_prompt():
     assert (a.recomputes, b.recomputes, c.recomputes) == (0, 1, 0)
 
 
+def test_sglang_forgets_a_retracted_request_once_it_finishes():
+    """The retraction above notes B's re-queue (its place in the waiting queue); when B has
+    finished the note goes, so a long run does not keep one per request ever retracted."""
+    policy = SGLang(clip_max_new_tokens_estimation=0)
+    s = Scheduler(policy, kv_capacity_tokens=24, memory=paged(24))
+    s.arrive(req(0, prompt=4, out=20), 0)
+    for _ in range(3):
+        step(s)
+    b = s.arrive(req(1, prompt=8, out=10, t=0.1), 0.1)
+    s.arrive(req(2, prompt=4, out=10, t=0.2), 0.2)
+    step(s)
+    step(s)
+    assert b.recomputes == 1 and b.id in policy._entries
+    t = 1.0
+    while not b.done:
+        step(s, t)
+        t += 1
+    assert b.id not in policy._entries
+
+
 @pytest.mark.parametrize(("clip", "admitted"), [(4096, False), (30, True), (0, True)])
 def test_sglang_budget_refuses_what_the_prompts_kv_alone_would_admit(clip, admitted):
     """PrefillAdder.add_one_req: A (8 + 150 out) runs in 200 tokens; B (8 + 100 out) is
