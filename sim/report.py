@@ -518,7 +518,23 @@ def write_figures(
     ]
     if len(requests):
         paths.append(plot_ttft_cdf(requests, slo_s, out_dir / FIGURES["cdf"], title))
+    else:  # an earlier report's CDF, of other runs, would be read as this one's
+        (out_dir / FIGURES["cdf"]).unlink(missing_ok=True)
     return paths
+
+
+def cdf_notes(table: pd.DataFrame, requests: pd.DataFrame) -> list[str]:
+    """A warning naming the runs left out of the TTFT CDF (no ``requests.parquet``), or a note
+    that no CDF is drawn when none has one."""
+    runs = sorted(set(table["run_dir"]))
+    drawn = set(requests["run_dir"]) if len(requests) else set()
+    missing = [r for r in runs if r not in drawn]
+    if not missing:
+        return []
+    if not drawn:
+        return [f"note: no run has a requests.parquet: no {FIGURES['cdf']} is drawn"]
+    return [f"warning: {len(missing)} of {len(runs)} runs have no requests.parquet "
+            f"({', '.join(missing)}): left out of {FIGURES['cdf']}"]  # fmt: skip
 
 
 def slos_of(table: pd.DataFrame) -> list[float]:
@@ -603,7 +619,8 @@ def cli(argv: list[str] | None = None) -> None:
     table.to_csv(out / "table.csv", index=False)
     paths = write_figures(table, requests, out, slos_of(table))
     print(terminal_table(table))
-    for warning in [*rate_notes(table), *repeated_seeds(table), *mixed_inputs(args.sweep_dir)]:
+    for warning in [*rate_notes(table), *repeated_seeds(table), *cdf_notes(table, requests),
+                    *mixed_inputs(args.sweep_dir)]:  # fmt: skip
         print(warning, file=sys.stderr)
     runs = table["run_dir"].nunique()
     print(f"\n{runs} runs -> {out / 'table.csv'}, " + ", ".join(p.name for p in paths))

@@ -597,3 +597,28 @@ def test_a_trace_at_its_own_timestamps_is_reported_at_its_measured_rate(tmp_path
         assert panel["xlabel"] == "arrival rate (req/s; measured for runs without workload.rate)"
         assert [label for label, *_ in panel["series"]] == list(POLICIES), panel
         assert all(x == pytest.approx([measured]) for _, x, _ in panel["series"]), panel
+
+
+def test_runs_without_requests_are_named_and_leave_no_stale_cdf(sweep, tmp_path, capsys):
+    """Audit: a report drew its TTFT CDF from the runs that have a requests.parquet, leaving
+    out the others without a word, and one with none left an earlier report's ttft_cdf.png (of
+    other runs) in the output directory, as if it were this report's."""
+    copy, out = tmp_path / "sweep", tmp_path / "report"
+    shutil.copytree(sweep, copy)
+    cli([str(copy), "--out", str(out)])
+    assert (out / FIGURES["cdf"]).is_file()
+    capsys.readouterr()
+    parquets = sorted(copy.glob("*/requests.parquet"))
+    parquets[0].unlink()
+    cli([str(copy), "--out", str(out)])
+    err = capsys.readouterr().err
+    runs = len(parquets)
+    assert (f"warning: 1 of {runs} runs have no requests.parquet ({parquets[0].parent.name}): "
+            f"left out of {FIGURES['cdf']}") in err.splitlines()  # fmt: skip
+    for parquet in parquets[1:]:
+        parquet.unlink()
+    cli([str(copy), "--out", str(out)])
+    said, err = capsys.readouterr()
+    assert not (out / FIGURES["cdf"]).exists()
+    assert FIGURES["cdf"] not in said.splitlines()[-1]
+    assert f"note: no run has a requests.parquet: no {FIGURES['cdf']} is drawn" in err
