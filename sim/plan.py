@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from policies.core import BE, LS
-from sim.config import UserError, ignored_keys
+from sim.config import ClusterConfig, UserError, ignored_keys
 
 FIELDS = ["policy", "router", "replicas", "rate", "seed", "num_requests", "setup",
           "ls_ttft_p99_s", "goodput", "keeps_up", "jobs_per_s", "be_ttft_p99_s",
@@ -258,6 +258,28 @@ SEARCHED = {
     "seed": "--seeds",
     "workload.num_requests": "--min-requests and --horizon-s",
 }
+
+
+def override_keys(override: str) -> list[str]:
+    """The keys an override sets: its own, and where its value is a dict (``workload={rate:
+    2}``, which Hydra merges into the group), every key inside it, dotted."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    key = override.split("=", 1)[0].lstrip("+~")
+    try:
+        (parsed,) = OverridesParser.create().parse_overrides([override])
+        value = parsed.value()
+    except Exception:  # noqa: BLE001  (not an override: composing it says why, in one line)
+        return [key]
+
+    def inner(prefix: str, node: Any) -> list[str]:
+        out = []
+        if isinstance(node, dict):
+            for sub, v in node.items():
+                out += [f"{prefix}.{sub}", *inner(f"{prefix}.{sub}", v)]
+        return out
+
+    return [key, *inner(key, value)]
 
 
 def router_spec(router: str) -> tuple[str, int | None]:
@@ -897,10 +919,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     problems = [p for p in map(router_problem, args.routers) if p]
+    sets = {o: override_keys(o) for o in args.overrides}
     problems += [
         f"{o}: qllm-plan sets {key} in every run; use {SEARCHED[key]}"
         for o in args.overrides
-        if (key := o.split("=", 1)[0].lstrip("+~")) in SEARCHED
+        for key in sets[o]
+        if key in SEARCHED
     ]
     # a count in --routers sets cluster.ls_replicas in its runs, after the user's override,
     # which evaluations.csv's setup would still record
@@ -909,7 +933,7 @@ def main(argv=None) -> int:
         f"{o}: --routers {counted[0]} sets cluster.ls_replicas in its runs; give the count "
         "there (ls_dedicated:k), or this override with a plain ls_dedicated only"
         for o in args.overrides
-        if counted and o.split("=", 1)[0].lstrip("+~") == "cluster.ls_replicas"
+        if counted and "cluster.ls_replicas" in sets[o]
     ]
     problems += [f"--replicas {n}: must be >= 1" for n in args.replicas if n < 1]
     if not 0 < args.goodput <= 1:
@@ -934,6 +958,11 @@ def main(argv=None) -> int:
         for line in ignored_keys(cfg):  # a router's keys: each run's router decides
             if not line.startswith("cluster."):
                 print(f"qllm-plan: warning: {line}", file=sys.stderr)
+        if (cfg.cluster.ls_replicas != ClusterConfig.ls_replicas
+                and "ls_dedicated" not in args.routers):  # fmt: skip
+            print(f"qllm-plan: warning: cluster.ls_replicas={cfg.cluster.ls_replicas} is "
+                  "ignored without --routers ls_dedicated (no other router reads it)",
+                  file=sys.stderr)  # fmt: skip
         if cfg.workload.get("peak_to_trough") is not None:
             raise UserError(
                 f"workload.peak_to_trough={cfg.workload.peak_to_trough}: a daily curve keeps "

@@ -880,3 +880,57 @@ def test_a_long_run_keeps_no_finished_sequence_and_pulls_requests_as_they_arrive
     gc.collect()
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} finished sequences still referenced"
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("workload={rate:2}", "workload.rate"),
+        ("+cluster={replicas:4}", "cluster.replicas"),
+        ("workload={num_requests:50,ls_fraction:0.3}", "workload.num_requests"),
+    ],
+)
+def test_plan_refuses_a_searched_key_set_inside_a_group_dict(override, key, tmp_path, capsys):
+    """An override that sets a group's keys as one dict (Hydra merges it into the group) set
+    the searched key too, and each run's own override replaced it without a word."""
+    import sim.plan as plan
+
+    assert plan.main(["--replicas", "1", "--policies", "fcfs", "--jobs", "1", "--out",
+                      str(tmp_path), "workload=synthetic", override]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"qllm-plan: error: {override}: qllm-plan sets {key} "), err
+    assert not (tmp_path / "evaluations.csv").exists()
+
+
+def test_plan_refuses_ls_replicas_inside_a_cluster_dict_when_routers_give_the_count(
+    tmp_path, capsys
+):
+    import sim.plan as plan
+
+    assert plan.main(["--replicas", "3", "--routers", "ls_dedicated:1", "--out", str(tmp_path),
+                      "workload=synthetic", "cluster={ls_replicas:2}"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("qllm-plan: error: cluster={ls_replicas:2}: --routers "
+                              "ls_dedicated:1 sets cluster.ls_replicas"), err  # fmt: skip
+
+
+@pytest.mark.parametrize("override", ["cluster.ls_replicas=2", "cluster={ls_replicas:2}"])
+def test_plan_warns_of_ls_replicas_no_searched_router_reads(override, tmp_path, capsys,
+                                                            monkeypatch):  # fmt: skip
+    """cluster.ls_replicas=2 without a plain ls_dedicated in --routers: no run reads it (the
+    warning qllm-sim gives was dropped for every cluster key), so the plan was of other
+    routers than the user meant, without a word; with a plain ls_dedicated it counts."""
+    import sim.plan as plan
+
+    def stop(*args, **kwargs):  # the warnings come before any run: none is needed
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan, "run_searches", stop)
+    args = ["--replicas", "3", "--policies", "fcfs", "--jobs", "1", "--out", str(tmp_path),
+            "workload=synthetic", override]  # fmt: skip
+    assert plan.main([*args, "--routers", "least_outstanding", "ls_first"]) == 130
+    err = capsys.readouterr().err
+    assert ("qllm-plan: warning: cluster.ls_replicas=2 is ignored without --routers "
+            "ls_dedicated") in err, err  # fmt: skip
+    assert plan.main([*args, "--routers", "least_outstanding", "ls_dedicated"]) == 130
+    assert "cluster.ls_replicas=2 is ignored" not in capsys.readouterr().err
