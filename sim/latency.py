@@ -197,7 +197,8 @@ class RoutingModel:
     prompts when it is longer than they are: longer prompts are taken as that independent).
     Decode tokens, one per sequence, are independent of each other. A layer that the measured
     prompts do not route (a dense MLP, as DeepSeek-V3's first layers) gets no token in any
-    iteration (``dense``); without measured prompts every layer routes.
+    iteration (``dense``), in every routing mode; without measured prompts every layer
+    routes.
 
     Those picks of a pool sample are drawn ahead, ``PICK_BLOCK`` at a time (``picks``): numpy
     draws the same numbers in one call as in single calls, so the picks are those of drawing
@@ -245,10 +246,12 @@ class RoutingModel:
         # layers that route nothing (a dense MLP: DeepSeek-V3's first), as the measured prompts
         # say; their experts get no token (None: every layer routes)
         self.dense: np.ndarray | None = None
-        if mode == "profile" and prompt_experts:
-            self.prompts = [_prompt_ids(p, top_k) for p in prompt_experts]
-            routed = self.prompts[0][0, :, 0] >= 0
+        if prompt_experts:  # which layers are dense is the model's, whatever the mode
+            prompts = [_prompt_ids(p, top_k) for p in prompt_experts]
+            routed = prompts[0][0, :, 0] >= 0
             self.dense = None if routed.all() else ~routed
+            if mode == "profile":
+                self.prompts = prompts
         if int(np.min(np.count_nonzero(self.load, axis=1))) < top_k:
             raise ValueError(f"every layer needs at least top_k={top_k} experts with load > 0")
         self.subset_p: np.ndarray | None = None  # (num_layers, C(E, k)), the exact path
