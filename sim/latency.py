@@ -122,7 +122,8 @@ class Curve2D:
         self.beyond_batch: float | None = None
 
     def extrapolations(self) -> list[str]:
-        out = [line for row in self.rows for line in row.extrapolations()][-1:]
+        beyond = [row for row in self.rows if row.beyond is not None]  # the largest input's
+        out = max(beyond, key=lambda row: row.beyond).extrapolations() if beyond else []
         if self.beyond_batch is not None:
             out.append(f"{self.op} {self.row_key} up to {self.beyond_batch:g} "
                        f"(grid ends at {self.batches[-1]})")  # fmt: skip
