@@ -570,12 +570,16 @@ class WakeUp:
 
 def overhead_points(profile: Profile) -> list[OpPoint]:
     """``step_overhead`` with the engine's host time (``engine_host``, optional) added at
-    every batch size either has a point at: both are charged once per iteration."""
+    every batch size either has a point at, up to where both grids reach (past it the sum is
+    extrapolated as the model reads it, and warned of): both are charged once per
+    iteration."""
     overhead = profile.op_points("step_overhead")
     host = profile.op_points("engine_host")
     if not host:
         return overhead
-    sizes = sorted({p.batch_size for p in overhead} | {p.batch_size for p in host})
+    end = min(overhead[-1].batch_size, host[-1].batch_size)
+    sizes = sorted(b for b in {p.batch_size for p in overhead} | {p.batch_size for p in host}
+                   if b <= end)  # fmt: skip
     total = (Curve1D(overhead, "batch_size")(sizes) + Curve1D(host, "batch_size")(sizes)) * 1e3
     return [OpPoint("step_overhead", batch_size=b, median_ms=float(t), p90_ms=float(t))
             for b, t in zip(sizes, total, strict=True)]  # fmt: skip

@@ -230,6 +230,16 @@ def test_a_2d_grid_warns_of_its_largest_input_not_its_last_rows():
     assert lm.extrapolations() == ["attn_decode kv_tokens up to 9000 (grid ends at 4096)"]
 
 
+def test_engine_host_points_beyond_the_overhead_grid_do_not_hide_its_extrapolation():
+    """engine_host measured up to batch 256, step_overhead up to 64: their sum was filed at 256
+    with step_overhead extrapolated there, and a batch of 200 warned of nothing."""
+    host = [OpPoint("engine_host", batch_size=b, median_ms=0.1) for b in (1, 256)]
+    lm = LatencyModel(with_points(linear_profile(), *host))
+    assert lm.overhead.scalar(64) == pytest.approx(3.1e-3)
+    assert lm.overhead.scalar(200) == pytest.approx(3.1e-3)
+    assert lm.extrapolations() == ["step_overhead batch_size up to 200 (grid ends at 64)"]
+
+
 @pytest.mark.parametrize("name", ["a100x2-mixtral-fp16", "a100-mixtral-nf4-hf"])
 def test_builtin_grids_cover_the_conversation_trace(name):
     """The longest conversation prompt (14,050 tokens) and its context stay inside the grids."""
