@@ -390,6 +390,10 @@ class Profile:
             raise ProfileError(f"{where}: interference={self.interference} must be > 0")
         if self.memory.kv_capacity_tokens < 1:
             raise ProfileError(f"{where}: kv_capacity_tokens must be >= 1")
+        mem = self.memory
+        if not (mem.kv_bytes_per_token >= 1 and mem.activation_bytes_per_token >= 0):
+            raise ProfileError(f"{where}: kv_bytes_per_token must be >= 1 and "
+                               f"activation_bytes_per_token >= 0, not {asdict(mem)}")  # fmt: skip
         if not self.memory.swap_bytes_per_s > 0:
             raise ProfileError(f"{where}: swap_bytes_per_s must be > 0")
 

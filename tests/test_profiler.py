@@ -571,6 +571,16 @@ def test_a_profile_json_key_nothing_reads_is_refused(tmp_path):
         Profile.load(saved)
 
 
+@pytest.mark.parametrize("memory", [{"kv_bytes_per_token": -2048},
+                                    {"activation_bytes_per_token": -1}])  # fmt: skip
+def test_negative_memory_figures_are_refused(memory):
+    """A negative kv_bytes_per_token loaded and made every swap take negative time (and 0
+    raised a ZeroDivisionError in the scheduler)."""
+    base = profiles.load("a100-mixtral-nf4-hf")
+    with pytest.raises(ValueError, match="kv_bytes_per_token must be >= 1"):
+        replace(base, memory=replace(base.memory, **memory))
+
+
 def test_a_saved_profile_is_version_3_and_versions_1_and_2_still_load(tmp_path):
     """A saved profile is version 3 and round-trips its wake_up points, busy times included;
     a version-2 file (no busy_ms column) and a version-1 file (no idle_ms either) read those
