@@ -16,7 +16,11 @@ A profile is a directory with two files:
      "routing": {"expert_load": [[float] * num_experts] * num_layers | null,
                  "prompt_experts": [[str] * num_layers] | absent},
      "prefill_attention": "per_prompt" | "batched",     # absent: "per_prompt"
+     "interference": float,                             # absent: 1.0 (Profile.interference)
+     "extra": {...},                                    # free-form: settings, self-check
      "spread": {"median_factor", "worst_factor", "worst", "threshold", "noisy"}}  # measured
+
+A key not named here (a misspelt one would read as its default) is refused on load.
 
 ``prefill_attention`` says how the modelled engine runs a prefill batch's attention:
 ``per_prompt`` (one call per prompt, as realrun's runner does: the batch pays the sum of
@@ -195,6 +199,12 @@ COLUMNS = ("op", "batch_size", "num_tokens", "kv_tokens", "median_ms", "p90_ms",
            "busy_ms")  # fmt: skip
 VERSION_COLUMNS = {1: COLUMNS[:-2], 2: COLUMNS[:-1], 3: COLUMNS}
 META_FILE = "profile.json"
+# every key of profile.json that Profile.load reads (spread is recomputed from ops.csv)
+META_KEYS = frozenset({"schema_version", "name", "source", "description", "calibration",
+                       "device", "dtype", "torch_version", "transformers_version", "created",
+                       "model", "memory", "routing", "prefill_attention", "interference",
+                       "extra", "spread"})  # fmt: skip
+ROUTING_KEYS = frozenset({"expert_load", "prompt_experts"})
 OPS_FILE = "ops.csv"
 
 
@@ -325,6 +335,13 @@ class Profile:
                 raise ProfileError(f"{where}: {p.op} at {p.key()} has median_ms={p.median_ms}")
             if not (math.isfinite(p.busy_ms) and p.busy_ms >= 0):
                 raise ProfileError(f"{where}: {p.op} at {p.key()} has busy_ms={p.busy_ms}")
+            if not (math.isfinite(p.p90_ms) and p.p90_ms >= 0):  # a NaN hides the spread
+                raise ProfileError(f"{where}: {p.op} at {p.key()} has p90_ms={p.p90_ms}")
+            negative = [k for k in ("batch_size", "num_tokens", "kv_tokens", "idle_ms")
+                        if getattr(p, k) < 0]  # fmt: skip
+            if negative:
+                raise ProfileError(f"{where}: {p.op} has {negative[0]}="
+                                   f"{getattr(p, negative[0])} (a key is >= 0)")  # fmt: skip
         seen: set[tuple] = set()
         for p in self.points:  # the latency model keeps one point per key: the last
             keys = OPS[p.op]
@@ -373,6 +390,10 @@ class Profile:
             raise ProfileError(f"{where}: interference={self.interference} must be > 0")
         if self.memory.kv_capacity_tokens < 1:
             raise ProfileError(f"{where}: kv_capacity_tokens must be >= 1")
+        mem = self.memory
+        if not (mem.kv_bytes_per_token >= 1 and mem.activation_bytes_per_token >= 0):
+            raise ProfileError(f"{where}: kv_bytes_per_token must be >= 1 and "
+                               f"activation_bytes_per_token >= 0, not {asdict(mem)}")  # fmt: skip
         if not self.memory.swap_bytes_per_s > 0:
             raise ProfileError(f"{where}: swap_bytes_per_s must be > 0")
 
@@ -474,6 +495,8 @@ class Profile:
                 raise ProfileError(f"{ops_path}: header must be {','.join(columns)}")
             for lineno, row in enumerate(reader, start=2):
                 try:
+                    if None in row or None in row.values():  # a field too many, or cut short
+                        raise ValueError
                     points.append(
                         OpPoint(
                             op=row["op"],
@@ -488,6 +511,11 @@ class Profile:
                     )
                 except (TypeError, ValueError):
                     raise ProfileError(f"{ops_path}:{lineno}: malformed row {row}") from None
+        unknown = sorted(set(meta) - META_KEYS)
+        unknown += [f"routing.{k}" for k in sorted(set(meta.get("routing") or {}) - ROUTING_KEYS)]
+        if unknown:  # a misspelt key would load as its default without a word
+            raise ProfileError(f"{meta_path}: unknown key {unknown[0]!r}; expected keys "
+                               f"{sorted(META_KEYS)}, routing.{sorted(ROUTING_KEYS)}")  # fmt: skip
         try:
             return cls(
                 name=meta["name"],

@@ -188,6 +188,17 @@ class ProfileSource:
                 raise UserError(f"profile.path={path}: a profile of {profile.model.name}, not "
                                 f"of this model ({info.name}): {k} {theirs.get(k)} against "
                                 f"{ours[k]}")  # fmt: skip
+            dtype = str(info.dtype).removeprefix("torch.")  # as build_profile writes it
+            if profile.dtype != dtype:  # other op times and KV bytes per token
+                raise UserError(f"profile.path={path}: measured in {profile.dtype}, these runs "
+                                f"in {dtype} (dtype={cfg.dtype}): profile this dtype, or run "
+                                f"with dtype={profile.dtype}")  # fmt: skip
+            from profiler.measure import device_name
+
+            if profile.device != device_name(info.device):
+                print(f"warning: profile.path={path} was measured on {profile.device}, these "
+                      f"runs on {device_name(info.device)}: its op times are another "
+                      "machine's", file=sys.stderr)  # fmt: skip
             clock = "process" if ClockKind(cfg.clock) is ClockKind.cpu else "wall"
             timed = ((profile.extra or {}).get("settings") or {}).get("clock")
             if timed is not None and timed != clock:

@@ -122,7 +122,8 @@ class Curve2D:
         self.beyond_batch: float | None = None
 
     def extrapolations(self) -> list[str]:
-        out = [line for row in self.rows for line in row.extrapolations()][-1:]
+        beyond = [row for row in self.rows if row.beyond is not None]  # the largest input's
+        out = max(beyond, key=lambda row: row.beyond).extrapolations() if beyond else []
         if self.beyond_batch is not None:
             out.append(f"{self.op} {self.row_key} up to {self.beyond_batch:g} "
                        f"(grid ends at {self.batches[-1]})")  # fmt: skip
@@ -197,7 +198,8 @@ class RoutingModel:
     prompts when it is longer than they are: longer prompts are taken as that independent).
     Decode tokens, one per sequence, are independent of each other. A layer that the measured
     prompts do not route (a dense MLP, as DeepSeek-V3's first layers) gets no token in any
-    iteration (``dense``); without measured prompts every layer routes.
+    iteration (``dense``), in every routing mode; without measured prompts every layer
+    routes.
 
     Those picks of a pool sample are drawn ahead, ``PICK_BLOCK`` at a time (``picks``): numpy
     draws the same numbers in one call as in single calls, so the picks are those of drawing
@@ -245,10 +247,12 @@ class RoutingModel:
         # layers that route nothing (a dense MLP: DeepSeek-V3's first), as the measured prompts
         # say; their experts get no token (None: every layer routes)
         self.dense: np.ndarray | None = None
-        if mode == "profile" and prompt_experts:
-            self.prompts = [_prompt_ids(p, top_k) for p in prompt_experts]
-            routed = self.prompts[0][0, :, 0] >= 0
+        if prompt_experts:  # which layers are dense is the model's, whatever the mode
+            prompts = [_prompt_ids(p, top_k) for p in prompt_experts]
+            routed = prompts[0][0, :, 0] >= 0
             self.dense = None if routed.all() else ~routed
+            if mode == "profile":
+                self.prompts = prompts
         if int(np.min(np.count_nonzero(self.load, axis=1))) < top_k:
             raise ValueError(f"every layer needs at least top_k={top_k} experts with load > 0")
         self.subset_p: np.ndarray | None = None  # (num_layers, C(E, k)), the exact path
@@ -566,12 +570,16 @@ class WakeUp:
 
 def overhead_points(profile: Profile) -> list[OpPoint]:
     """``step_overhead`` with the engine's host time (``engine_host``, optional) added at
-    every batch size either has a point at: both are charged once per iteration."""
+    every batch size either has a point at, up to where both grids reach (past it the sum is
+    extrapolated as the model reads it, and warned of): both are charged once per
+    iteration."""
     overhead = profile.op_points("step_overhead")
     host = profile.op_points("engine_host")
     if not host:
         return overhead
-    sizes = sorted({p.batch_size for p in overhead} | {p.batch_size for p in host})
+    end = min(overhead[-1].batch_size, host[-1].batch_size)
+    sizes = sorted(b for b in {p.batch_size for p in overhead} | {p.batch_size for p in host}
+                   if b <= end)  # fmt: skip
     total = (Curve1D(overhead, "batch_size")(sizes) + Curve1D(host, "batch_size")(sizes)) * 1e3
     return [OpPoint("step_overhead", batch_size=b, median_ms=float(t), p90_ms=float(t))
             for b, t in zip(sizes, total, strict=True)]  # fmt: skip

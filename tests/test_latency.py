@@ -218,6 +218,28 @@ def test_extrapolating_beyond_a_grid_warns_once_per_run(tmp_path, capsys):
     )
 
 
+def test_a_2d_grid_warns_of_its_largest_input_not_its_last_rows():
+    """attn_decode read at a context of 9,000 by a small batch, then 5,000 by a large one:
+    the warning named the last row's 5,000 (each row notes what it was read at)."""
+    pts = [p for p in linear_profile().points if p.op != "attn_decode"]
+    pts += [OpPoint("attn_decode", batch_size=b, kv_tokens=kv, median_ms=1.0 + kv / 4096)
+            for b in (1, 8, 64) for kv in (0, 4096)]  # fmt: skip
+    lm = LatencyModel(replace(linear_profile(), points=pts))
+    lm.attn_decode(2, 9000)
+    lm.attn_decode(32, 5000)
+    assert lm.extrapolations() == ["attn_decode kv_tokens up to 9000 (grid ends at 4096)"]
+
+
+def test_engine_host_points_beyond_the_overhead_grid_do_not_hide_its_extrapolation():
+    """engine_host measured up to batch 256, step_overhead up to 64: their sum was filed at 256
+    with step_overhead extrapolated there, and a batch of 200 warned of nothing."""
+    host = [OpPoint("engine_host", batch_size=b, median_ms=0.1) for b in (1, 256)]
+    lm = LatencyModel(with_points(linear_profile(), *host))
+    assert lm.overhead.scalar(64) == pytest.approx(3.1e-3)
+    assert lm.overhead.scalar(200) == pytest.approx(3.1e-3)
+    assert lm.extrapolations() == ["step_overhead batch_size up to 200 (grid ends at 64)"]
+
+
 @pytest.mark.parametrize("name", ["a100x2-mixtral-fp16", "a100-mixtral-nf4-hf"])
 def test_builtin_grids_cover_the_conversation_trace(name):
     """The longest conversation prompt (14,050 tokens) and its context stay inside the grids."""

@@ -531,6 +531,56 @@ def test_a_duplicated_or_mis_keyed_ops_row_is_refused(tmp_path, row, message):
         Profile.load(saved)
 
 
+@pytest.mark.parametrize("row, message", [
+    ("lm_head,999,0,0,1.0,nan,0,0", "lm_head at (999,) has p90_ms=nan"),
+    ("lm_head,999,0,0,1.0,-1,0,0", "lm_head at (999,) has p90_ms=-1.0"),
+    ("expert,0,-8,0,1.0,1.0,0,0", "expert has num_tokens=-8"),
+    ("expert,0,99999,0,1.0,1.0", "malformed row"),  # a row cut short: idle_ms, busy_ms
+    ("expert,0,99999,0,1.0,1.0,0,0,7", "malformed row"),
+])  # fmt: skip
+def test_a_row_with_a_bad_p90_key_or_field_count_is_refused(tmp_path, row, message):
+    """A NaN p90 loaded and hid a 5x-noisy point from the spread warning (NaN sorts
+    anywhere); a negative key, or a row cut short (read as idle_ms = busy_ms = 0) or with a
+    field too many, loaded as well."""
+    saved = profiles.load("a100-mixtral-nf4-hf").save(tmp_path / "p")
+    with (saved / "ops.csv").open("a") as f:
+        f.write(row + "\n")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Profile.load(saved)
+
+
+def test_a_nan_p90_no_longer_hides_a_noisy_point():
+    noisy = [OpPoint("lm_head", batch_size=b, median_ms=1.0, p90_ms=p)
+             for b, p in [(1, 5.0), (2, math.nan), *((b, 1.2) for b in range(3, 9))]]  # fmt: skip
+    with pytest.raises(ValueError, match="p90_ms=nan"):
+        replace(profiles.load("a100-mixtral-nf4-hf"), points=noisy)
+    assert spread([p for p in noisy if not math.isnan(p.p90_ms)]).noisy
+
+
+def test_a_profile_json_key_nothing_reads_is_refused(tmp_path):
+    """A misspelt key (``interferance``, ``prefill_atention``) loaded as the default without a
+    word; model and memory keys were already checked."""
+    saved = profiles.load("a100-mixtral-nf4-hf").save(tmp_path / "p")
+    meta = json.loads((saved / "profile.json").read_text())
+    (saved / "profile.json").write_text(json.dumps({**meta, "prefill_atention": "batched"}))
+    with pytest.raises(ValueError, match="unknown key 'prefill_atention'"):
+        Profile.load(saved)
+    meta["routing"]["expert_loads"] = meta["routing"].pop("expert_load")
+    (saved / "profile.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="unknown key 'routing.expert_loads'"):
+        Profile.load(saved)
+
+
+@pytest.mark.parametrize("memory", [{"kv_bytes_per_token": -2048},
+                                    {"activation_bytes_per_token": -1}])  # fmt: skip
+def test_negative_memory_figures_are_refused(memory):
+    """A negative kv_bytes_per_token loaded and made every swap take negative time (and 0
+    raised a ZeroDivisionError in the scheduler)."""
+    base = profiles.load("a100-mixtral-nf4-hf")
+    with pytest.raises(ValueError, match="kv_bytes_per_token must be >= 1"):
+        replace(base, memory=replace(base.memory, **memory))
+
+
 def test_a_saved_profile_is_version_3_and_versions_1_and_2_still_load(tmp_path):
     """A saved profile is version 3 and round-trips its wake_up points, busy times included;
     a version-2 file (no busy_ms column) and a version-1 file (no idle_ms either) read those

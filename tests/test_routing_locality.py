@@ -177,3 +177,17 @@ def test_the_profiler_records_each_tokens_experts_consistent_with_the_load(model
     )
     if model == "tiny-deepseek-v3":
         assert not routed.all()  # its first layer is dense
+
+
+@pytest.mark.parametrize("mode", ["uniform", "zipf"])
+def test_a_dense_layer_gets_no_token_under_every_routing_mode(mode):
+    """The layers a model runs densely are the model's, not the routing mode's: under the
+    default routing=uniform (and zipf) a tiny-deepseek-v3 profile charged expert stages in
+    its dense first layer (a prefill ~7% long)."""
+    load = [[1 / EXPERTS] * EXPERTS] * LAYERS
+    r = RoutingModel(LAYERS, EXPERTS, TOP_K, mode=mode, expert_load=load,
+                     prompt_experts=fixed_prompts(dense_layer=1))  # fmt: skip
+    assert r.prompts is None  # prefills still route independently outside mode=profile
+    for counts in [r.pool(5)[0], r.draw(7), r.summed(200)]:
+        assert not counts[1].any()
+        assert (counts[[0, 2, 3]].sum(axis=1) == counts[[0, 2, 3]].sum() / 3).all()

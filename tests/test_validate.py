@@ -364,6 +364,23 @@ def test_a_profile_of_another_model_of_the_same_layers_and_experts_is_refused(tm
     assert (again / "ops.csv").read_bytes() == (own / "ops.csv").read_bytes()
 
 
+def test_a_profile_of_another_dtype_is_refused(tmp_path):
+    """A float32 profile was accepted for float64 runs of the same model without a word: the
+    simulator predicted them with the other dtype's op times and KV bytes per token."""
+    from realrun.run import load_model
+    from realrun.validate import ProfileSource
+
+    own = ROOT / "results" / "validation" / "tiny-olmoe-cpu" / "profile"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("validate", overrides=["model=tiny-olmoe", f"profile.path={own}",
+                                             "device=cpu", "clock=cpu",
+                                             "dtype=float64"])  # fmt: skip
+    runner, info = load_model(cfg)
+    with pytest.raises(UserError, match="profile.path=.*measured in float32, these runs in "
+                                        "float64"):  # fmt: skip
+        ProfileSource(cfg, runner, info, tmp_path / "out", (1, 1, 1, 1))
+
+
 def test_a_run_that_page_faulted_is_warned_about():
     summary = {"classes": {c: {"count": 0} for c in CLASSES}, "throughput": {"jobs_per_s": 1.0}}
     faulted = [{**summary, "executor": {"page_faults": f}} for f in (12, 2400)]
