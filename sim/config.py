@@ -8,6 +8,7 @@ with one line naming the key and what is allowed.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -222,11 +223,15 @@ def validate(cfg: Any) -> None:
     if w.rate is None:
         need(arrival == "trace", "workload.rate", None, "required unless workload.arrival=trace")
     else:
-        need(w.rate > 0, "workload.rate", w.rate, "must be > 0 (requests per second)")
-    need(w.cv > 0, "workload.cv", w.cv, "must be > 0")
+        # inf would put every arrival at 0 and write Infinity (not JSON) to summary.json
+        need(0 < w.rate < math.inf, "workload.rate", w.rate,
+             "must be a finite number > 0 (requests per second)")  # fmt: skip
+    need(0 < w.cv < math.inf, "workload.cv", w.cv, "must be a finite number > 0")
     if getattr(w, "peak_to_trough", None) is not None:
-        need(w.peak_to_trough >= 1, "workload.peak_to_trough", w.peak_to_trough, "must be >= 1")
-        need(w.period_s > 0, "workload.period_s", w.period_s, "must be > 0 seconds")
+        need(1 <= w.peak_to_trough < math.inf, "workload.peak_to_trough", w.peak_to_trough,
+             "must be a finite number >= 1")  # fmt: skip
+        need(0 < w.period_s < math.inf, "workload.period_s", w.period_s,
+             "must be a finite number of seconds > 0")  # fmt: skip
     need(0 <= w.ls_fraction <= 1, "workload.ls_fraction", w.ls_fraction, "must be in [0, 1]")
     if w.max_output_tokens is not None:
         need(

@@ -37,6 +37,7 @@ CASES = (
     [("qllm-sim", *c) for c in COMMON + WORKLOAD + POLICY]
     + [("qllm-sim", ["profile.path=/nonexistent"], "profile.path=/nonexistent: not a directory")]
     + [("qllm-sim", ["seed=-1"], "seed=-1: must be >= 0")]
+    + [("qllm-sim", ["workload.rate=inf"], "workload.rate=inf: must be a finite number > 0")]
     + [("qllm-sim", ["workload=synthetic", "workload.prompt.tokens=5000"],
         "workload.prompt.tokens=5000: must be in [prompt.min, prompt.max] = [1, 2048]")]
     + [("qllm-realrun", *c) for c in COMMON + WORKLOAD + POLICY]

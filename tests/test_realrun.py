@@ -188,7 +188,7 @@ def test_cli_writes_the_simulator_schema_and_a_chrome_trace(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [("model=nope", "model=nope: unknown model"),
-     ("workload.rate=-1", "workload.rate=-1.0: must be > 0"),
+     ("workload.rate=-1", "workload.rate=-1.0: must be a finite number > 0"),
      ("max_prompt_tokens=0", "max_prompt_tokens=0: must be >= 1")],
 )  # fmt: skip
 def test_user_errors_are_one_line(tmp_path, override, message):
