@@ -117,8 +117,6 @@ class Simulation:
         self.mode = mode
         self.record_trace = record_trace
         self.on_finish = on_finish
-        # called with every sequence at its first token, before the finishes of its iteration
-        self.on_first_token: Callable[[Seq], None] | None = None
         # the stepping reference and a recorded trace (one row per iteration) run every iteration
         self.fast_forward = fast_forward and mode == "lookup" and not record_trace
         self.env = env or simpy.Environment()
@@ -256,12 +254,7 @@ class Simulation:
             if preempted:
                 sched.preempt(env.now)
             else:
-                finished = sched.complete_iteration(env.now)
-                if self.on_first_token is not None and batch.phase is not Phase.DECODE:
-                    for seq in batch.sequences:
-                        if seq.first_token_s == env.now:
-                            self.on_first_token(seq)
-                for seq in finished:
+                for seq in sched.complete_iteration(env.now):
                     if self.on_finish is not None:
                         self.on_finish(seq)
 

@@ -39,7 +39,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import bisect
 import copy
 import csv
 import functools
@@ -116,16 +115,6 @@ class Verdict:
       falls in the window; so the drain of a backlog is never simulated for a run that
       did not keep up.
 
-    Both counts are also kept from first tokens when the run reports them (``first_token``,
-    which ``simulate`` wires to every replica): at time t, every LS request that arrived
-    more than the target (plus the margin) before t is late unless its first token came
-    within the target; so the LS requests arrived before t - target, less every LS first
-    token that came within the target so far, are late already, whether they have had their
-    first token, are still waiting or are still decoding (``_Waits``). Likewise each class's
-    requests against its TTFT SLO, which with the finished requests that met that SLO but
-    missed TPOT's are a count of goodput's misses. Under overload this stops a run when the
-    queue grows past the target, not when the late requests finish.
-
     ``reason`` then names the bound, as ``Targets.missed_by`` reads it: ``ls_ttft_p99_s>B``
     (p99 above B), ``goodput<=B``, ``keeps_up=B`` (the exact ratio)."""
 
@@ -146,14 +135,6 @@ class Verdict:
         self.ls_late = 0
         # the LS requests late that put p99 above the target (never reached when n_ls < 2)
         self.ls_late_needed = n_ls - math.floor(0.99 * (n_ls - 1)) + 1 if n_ls else math.inf
-        # for first_token: the LS requests against the target, and each class against its
-        # TTFT SLO; the finished requests that met their TTFT SLO (or had none) but not TPOT's
-        ls = np.asarray(is_ls, dtype=bool)
-        arrivals = {LS: times[ls], BE: times[~ls]}
-        self.ls_waits = _Waits(arrivals[LS], self.ls_late_s)
-        self.slo_waits = {c: _Waits(arrivals[c], self.ttft[c] + self.MARGIN_S)
-                          for c in (LS, BE) if self.ttft[c] is not None}  # fmt: skip
-        self.tpot_missed = 0
         self.window = None
         if len(times):
             start, end = float(times[len(times) // 10]), float(times[-1])
@@ -183,8 +164,6 @@ class Verdict:
                 ok = not (finish - first) / (out - 1) > self.tpot[cls]
             if not ok:
                 self.missed += 1
-                if self.ttft[cls] is None or ttft <= self.ttft[cls]:
-                    self.tpot_missed += 1
                 bound = (self.n_slo - self.missed) / self.n_slo
                 if bound < self.targets.goodput:
                     return self._stop(f"goodput<={bound!r}")
@@ -202,51 +181,9 @@ class Verdict:
                 if ratio < self.targets.keeps_up:
                     return self._stop(f"keeps_up={ratio!r}")
 
-    def first_token(self, seq) -> None:
-        """``seq`` got its first token (a run that reports first tokens reports every one,
-        in time order with the finishes)."""
-        if self.reason is not None:
-            return
-        now = seq.first_token_s
-        request = seq.request
-        ttft = now - request.arrival_s
-        if request.cls == LS:
-            self.ls_waits.first(ttft)
-        if self.ls_waits.late(now) >= self.ls_late_needed:
-            return self._stop(f"ls_ttft_p99_s>{self.targets.ls_ttft_p99_s!r}")
-        if self.slo_waits and self.n_slo:
-            waits = self.slo_waits.get(request.cls)
-            if waits is not None:
-                waits.first(ttft)
-            missed = self.tpot_missed + sum(w.late(now) for w in self.slo_waits.values())
-            bound = (self.n_slo - missed) / self.n_slo
-            if bound < self.targets.goodput:
-                return self._stop(f"goodput<={bound!r}")
-
     def _stop(self, reason: str) -> None:
         self.reason = reason
         self.stop.succeed()
-
-
-class _Waits:
-    """The requests of one class against a TTFT bound (``late_s``), as their first tokens
-    come: at time t, each one that arrived more than ``late_s`` before t is late unless its
-    first token came within ``late_s``, whether it has had it or not."""
-
-    def __init__(self, arrivals, late_s: float) -> None:
-        import numpy as np
-
-        self.arrivals = np.sort(arrivals).tolist()
-        self.late_s = late_s
-        self.on_time = 0
-
-    def first(self, ttft: float) -> None:
-        if ttft <= self.late_s:
-            self.on_time += 1
-
-    def late(self, now: float) -> int:
-        """How many are late at ``now`` at least."""
-        return bisect.bisect_left(self.arrivals, now - self.late_s) - self.on_time
 
 
 # the keys each run's overrides set (after the user's, which they would silently replace)

@@ -142,8 +142,7 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
     """Run ``requests`` (None: the config's workload, streamed: its requests are made as
     they arrive; a ``Workload``: streamed as well) and fold each request into the outputs as
     it finishes. ``watch``: an object whose ``start(env)`` returns an event that stops the
-    run when triggered, and whose ``finished(seq)`` sees every request as it finishes and
-    ``first_token(seq)``, if it has one, every request at its first token
+    run when triggered, and whose ``finished(seq)`` sees every request as it finishes
     (``qllm-plan``'s verdict): a stopped run raises ``RunStopped`` with ``watch.reason``,
     and has no outputs. ``keep_sequences``:
     also keep every Sequence object in ``result.sequences`` (tests compare them; a long run
@@ -178,8 +177,6 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
 
     stop = watch.start(env) if watch is not None else None
     seen = watch.finished if watch is not None else None
-    for rep in replicas:
-        rep.on_first_token = getattr(watch, "first_token", None)
 
     def finished(seq, replica: int) -> None:
         records.add(seq, replica)
