@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from realrun.config import RealrunConfig, validate_realrun
-from sim.app import overload
+from sim.app import job_config, overload
 from sim.cli import CONF_DIR, App, discard_unfinished, fail, run
 from sim.config import UserError
 from sim.metrics import write_outputs
@@ -51,7 +51,9 @@ def main(cfg: DictConfig) -> float | None:
         fail(PROG, str(e))
     if out.trace is not None:
         out.trace.write(run_dir / "trace.json")
-    write_outputs(run_dir, out.requests, out.summary)  # summary.json last: the run is complete
+    # summary.json last (the run is complete), with the config that produced it: a report
+    # reads that, not .hydra/config.yaml, which a relaunch into this directory rewrites first
+    write_outputs(run_dir, out.requests, {**out.summary, "config": job_config(cfg)})
     s, r = out.summary, out.result
     ls, be = s["classes"]["LS"], s["classes"]["BE"]
     print(

@@ -175,6 +175,10 @@ def test_cli_writes_the_simulator_schema_and_a_chrome_trace(tmp_path):
     assert (df.ttft_s > 0).all() and (df.turnaround_s >= df.ttft_s).all()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["completed"] == 6 and summary["executor"]["events"] > 0
+    # the config that produced the results, as qllm-sim stores it: what a report reads
+    # (.hydra/config.yaml is rewritten by a relaunch into the same directory)
+    assert summary["config"]["policy"]["name"] == "qllm"
+    assert summary["config"]["workload"]["rate"] == 50 and "progress" not in summary["config"]
     assert set(summary["classes"]) == {"LS", "BE", "all"}
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
