@@ -11,7 +11,8 @@ a crashed or unfinished run has none and is left out). Writes, under ``<sweep>/r
   (Fig. 4: LS and BE turnaround), ``ttft_cdf.png`` (TTFT CDFs per policy at a few rates).
 
 Points are means over seeds, each seed counted once (runs that repeat a seed are averaged, with
-a warning); error bars are 95% t-intervals of the mean (none for one seed). Runs without a
+a warning; a seed without requests of a class is left out of that class's mean, with a
+warning); error bars are 95% t-intervals of the mean (none for one seed). Runs without a
 ``workload.rate`` (a trace at its own timestamps) are drawn at their measured arrival rate, with
 a note.
 """
@@ -353,6 +354,28 @@ def repeated_seeds(table: pd.DataFrame) -> list[str]:
     return out
 
 
+def empty_classes(table: pd.DataFrame) -> list[str]:
+    """A warning per point (series and rate) and class that some of its seeds had no request
+    of: that class's figures there (its points, its rows of the terminal table) are means
+    over the other seeds only (``over_seeds`` skips the empty ones)."""
+    if "seed" not in table or "count" not in table:
+        return []
+    keys = [*series_columns(table), "rate"]
+    out = []
+    part = table[table["cls"].isin(["LS", "BE"])]
+    for key, rows in part.groupby([*keys, "cls"], dropna=False, sort=False):
+        *series, rate, cls = key
+        empty = rows.loc[rows["count"] == 0, "seed"].drop_duplicates()
+        seeds = rows["seed"].nunique()
+        if len(empty) and len(empty) < seeds:
+            where = _label(tuple(series), keys[:-1]) + (f", rate {rate:g}" if pd.notna(rate)
+                                                        else ", no rate")  # fmt: skip
+            out.append(f"warning: {where}: no {cls} request in seed "
+                       f"{', '.join(str(x) for x in sorted(empty))}: its {cls} figures are "
+                       f"means over the other {seeds - len(empty)} seeds of {seeds}")  # fmt: skip
+    return out
+
+
 def _label(series: tuple, cols: list[str]) -> str:
     """``qllm, profile=a100x2-mixtral-fp16``; the experiment name alone."""
     parts = [str(v) if c in ("policy", "experiment") else f"{c}={v}"
@@ -619,7 +642,8 @@ def cli(argv: list[str] | None = None) -> None:
     table.to_csv(out / "table.csv", index=False)
     paths = write_figures(table, requests, out, slos_of(table))
     print(terminal_table(table))
-    for warning in [*rate_notes(table), *repeated_seeds(table), *cdf_notes(table, requests),
+    for warning in [*rate_notes(table), *repeated_seeds(table), *empty_classes(table),
+                    *cdf_notes(table, requests),
                     *mixed_inputs(args.sweep_dir)]:  # fmt: skip
         print(warning, file=sys.stderr)
     runs = table["run_dir"].nunique()

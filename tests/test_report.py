@@ -172,6 +172,41 @@ def test_report_warns_of_runs_made_by_other_code_or_profile_files(sweep, tmp_pat
     assert f"warning: workload {kind}: these runs read 2 different versions of it" in err
 
 
+def test_report_warns_of_a_point_whose_class_is_empty_in_some_seeds(sweep, tmp_path, capsys):
+    """A seed without LS requests (a short run's draw) leaves its LS figures out of the mean:
+    the point is a mean over fewer seeds than the sweep shows, and the report says so."""
+    from sim.report import over_seeds
+
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep, copy)
+    path = next(
+        p / "summary.json"
+        for p in sorted(copy.iterdir())
+        if (p / "summary.json").is_file()
+        and json.loads((p / "summary.json").read_text())["config"]["seed"] == 1
+    )
+    summary = json.loads(path.read_text())
+    ls = summary["classes"]["LS"]
+    ls["count"] = 0  # as summary.json writes an empty class: a count of 0, null figures
+    for metric in ("ttft_s", "tpot_s", "itl_s", "turnaround_s"):
+        ls[metric] = dict.fromkeys(ls[metric])
+    path.write_text(json.dumps(summary))
+    config = summary["config"]
+    cli([str(copy), "--out", str(tmp_path / "report")])
+    err = capsys.readouterr().err
+    rate = config["workload"]["rate"]
+    assert (
+        f"warning: {config['policy']['name']}, rate {rate:g}: no LS request in seed 1: its "
+        f"LS figures are means over the other 1 seeds of 2"
+    ) in err, err
+    assert "no BE request" not in err
+    table, _ = load_sweep(copy)
+    point = over_seeds(table, "LS", "ttft_mean_s")
+    keys = zip(point["policy"], point["rate"], strict=True)
+    counts = dict(zip(keys, point["count"], strict=True))
+    assert counts.pop((config["policy"]["name"], rate)) == 1 and set(counts.values()) == {2}
+
+
 @pytest.mark.parametrize("make", [lambda p: p / "missing", lambda p: p])
 def test_report_on_a_missing_or_empty_dir_is_one_line(tmp_path, capsys, make):
     with pytest.raises(SystemExit) as exit_:
