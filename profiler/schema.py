@@ -288,6 +288,7 @@ class ModelShape:
 # Host <-> device copy bandwidth of KV blocks swapped out and in, when a profile does not say:
 # what a PCIe Gen4 x16 link (32 GB/s raw per direction) delivers to pinned-memory copies.
 SWAP_BYTES_PER_S = 25e9
+MIN_SWAP_BYTES_PER_S = 1e6  # below any host link: a figure in the wrong unit
 
 
 @dataclass
@@ -394,8 +395,11 @@ class Profile:
         if not (mem.kv_bytes_per_token >= 1 and mem.activation_bytes_per_token >= 0):
             raise ProfileError(f"{where}: kv_bytes_per_token must be >= 1 and "
                                f"activation_bytes_per_token >= 0, not {asdict(mem)}")  # fmt: skip
-        if not self.memory.swap_bytes_per_s > 0:
-            raise ProfileError(f"{where}: swap_bytes_per_s must be > 0")
+        if not self.memory.swap_bytes_per_s >= MIN_SWAP_BYTES_PER_S:
+            # 25 typed for 25 GB/s would make every swap a billion times too slow
+            raise ProfileError(f"{where}: swap_bytes_per_s={self.memory.swap_bytes_per_s:g} "
+                               "is below 1 MB/s; it is in bytes per second (25 GB/s is "
+                               "25e9)")  # fmt: skip
 
     def _validate_prompt_experts(self, where: str) -> None:
         m = self.model

@@ -581,6 +581,16 @@ def test_negative_memory_figures_are_refused(memory):
         replace(base, memory=replace(base.memory, **memory))
 
 
+@pytest.mark.parametrize("value", [0.0, 25.0, float("nan")])
+def test_a_swap_rate_in_the_wrong_unit_is_refused(value):
+    """swap_bytes_per_s is in bytes per second: 25 (meant as GB/s) loaded and made a swap a
+    billion times too slow."""
+    base = profiles.load("a100-mixtral-nf4-hf")
+    with pytest.raises(ValueError, match="below 1 MB/s; it is in bytes per second"):
+        replace(base, memory=replace(base.memory, swap_bytes_per_s=value))
+    assert replace(base, memory=replace(base.memory, swap_bytes_per_s=25e9))
+
+
 def test_a_saved_profile_is_version_3_and_versions_1_and_2_still_load(tmp_path):
     """A saved profile is version 3 and round-trips its wake_up points, busy times included;
     a version-2 file (no busy_ms column) and a version-1 file (no idle_ms either) read those
