@@ -924,6 +924,10 @@ def main(argv=None) -> int:
                   "rescaled to the rate: a capacity found there has not seen the rest of the "
                   "trace's bursts; leave --horizon-s out to replay the whole trace at every "
                   "rate", file=sys.stderr)  # fmt: skip
+        print(f"qllm-plan: note: a run at more than {whole / horizon_s:.4g} req/s (the trace's "
+              f"{whole} requests in --horizon-s {horizon_s:g}), or of more than {whole} "
+              f"requests by --min-requests {args.min_requests} per replica, replays the trace "
+              "repeated (its bursts recur)", file=sys.stderr)  # fmt: skip
     if whole is not None and horizon_s is None:
         short = [n for n in sorted(args.replicas) if whole < args.min_requests * n]
         if short:

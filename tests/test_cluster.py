@@ -582,6 +582,10 @@ def test_plan_replays_a_whole_trace_at_every_rate_unless_told_a_horizon(tmp_path
     assert plan.main([*common, "--horizon-s", "80", "--out", str(tmp_path / "part")]) == 0
     err = capsys.readouterr().err
     assert "--horizon-s 80 replays only the first rate x 80 of the trace's 90 requests" in err
+    # past 90 / 80 req/s a run is longer than the trace: said too
+    assert ("note: a run at more than 1.125 req/s (the trace's 90 requests in --horizon-s 80), "
+            "or of more than 90 requests by --min-requests 20 per replica, replays the trace "
+            "repeated") in err  # fmt: skip
     runs = list(csv.DictReader((tmp_path / "part" / "evaluations.csv").open()))
     assert min(int(r["num_requests"]) for r in runs) == 20  # 0.25 req/s x 80 s
     # on 5 replicas the whole trace (90) is fewer than 20 arrivals per replica: replayed
