@@ -6,8 +6,9 @@
 MEASURED and REFERENCE are profile directories or names (built-in, then results/profiles/).
 Each measured point is predicted from the reference the way the simulator reads a profile
 (``sim.latency``'s piecewise-linear curves); error_pct = 100 (reference - measured) / measured.
-Prints one line per op (points, median and mean error, worst absolute error) and writes every
-point's error to the JSON file.
+Prints one line per op (points, median and mean error, worst absolute error), a note when the
+two profiles' ``interference`` differ (the simulator scales every op by it; the errors are of
+the medians), and writes every point's error to the JSON file.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def compare(measured: Profile, reference: Profile) -> dict:
                    "beyond": sum(q["beyond"] for q in points), "detail": points}  # fmt: skip
     same_shape = measured.model == reference.model
     return {"measured": measured.name, "reference": reference.name, "same_shape": same_shape,
-            "ops": ops, "missing": missing}  # fmt: skip
+            "ops": ops, "missing": missing,
+            "interference": [measured.interference, reference.interference]}  # fmt: skip
 
 
 def table(result: dict) -> str:
@@ -105,6 +107,12 @@ def table(result: dict) -> str:
                      f"extrapolated: {', '.join(beyond)}")  # fmt: skip
     if not result["same_shape"]:
         lines.append("warning: the two profiles describe different model shapes")
+    mine, theirs = result["interference"]
+    if mine != theirs:  # the simulator scales every op but wake_up by it
+        lines.append(f"note: the errors are of the op medians; the simulator also scales each "
+                     f"op by its profile's interference ({mine:g} measured, {theirs:g} "
+                     f"reference): its predictions from the two differ by a further factor "
+                     f"of {theirs / mine:.4g}")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -65,3 +65,17 @@ def test_points_beyond_the_reference_grid_are_marked_and_warned_of():
     assert big and all(p["beyond"] for p in big)
     assert expert["beyond"] == len(big)
     assert f"extrapolated: expert ({len(big)} of {expert['points']})" in table(result)
+
+
+def test_profiles_of_other_interference_are_noted():
+    """The simulator scales every op by its profile's interference; the comparison is of the
+    medians, and says by what further factor the simulator's predictions differ."""
+    from sim.compare_profiles import table
+
+    measured = dataclasses.replace(linear_profile(), interference=1.25)
+    result = compare(measured, linear_profile())
+    assert result["ops"]["expert"]["max_abs_error_pct"] == 0.0  # the medians agree
+    assert ("note: the errors are of the op medians; the simulator also scales each op by its "
+            "profile's interference (1.25 measured, 1 reference): its predictions from the two "
+            "differ by a further factor of 0.8") in table(result)  # fmt: skip
+    assert "interference" not in table(compare(measured, measured))
