@@ -11,9 +11,11 @@ every target: LS TTFT p99 <= ``--ls-ttft-p99-s``, goodput (the fraction of reque
 every SLO that is set) >= ``--goodput``, and the cluster keeps up: the completions in the
 run's steady window are at least ``--keeps-up`` (0.95) times its arrivals there
 (``keeps_up``), so that BE work without an SLO cannot pile up unseen. The search
-brackets the capacity by doubling from ``--rate-lo``, then bisects until the bracket is within
-``--rel-tol``; it assumes that a cluster that sustains a rate sustains every lower one. All
-searches advance together: the runs of one step (every search's next rate x seeds) go to a pool
+brackets the capacity by doubling from ``--rate-lo`` (the fewest replicas of a policy and
+router) or by steps from the capacity that search found, scaled to the replicas (the others:
+``Search``), then bisects until the bracket is within ``--rel-tol``; it assumes that a cluster
+that sustains a rate sustains every lower one. The searches advance together: the runs of one
+step (every ready search's next rate x seeds) go to a pool
 of processes (``--jobs``), or to Ray workers (``--executor ray``; ``RAY_ADDRESS`` picks a
 cluster, else a local one). A run stops as soon as it is certain to miss a target (``Verdict``:
 enough LS requests finished late for the p99, enough requests out of their SLO for goodput,
@@ -456,48 +458,76 @@ def no_slo_problem(cfg, n: int) -> str:
 
 @dataclass
 class Search:
-    """The bisection for one (policy, router, replicas)."""
+    """The search for one (policy, router, replicas): from ``start``, steps up while the rate
+    is sustained and down while it is not, until a sustained and a failed rate bracket the
+    capacity; then bisection until the bracket is within ``rel_tol``. The first step is a
+    factor of ``first_step``, the later ones 2 (from --rate-lo: doublings). A failed
+    ``floor`` (the lowest rate searched, --rate-lo x replicas) ends it with capacity 0.
+
+    ``base``: a search of fewer replicas of the same policy and router. This one waits for it
+    and starts at replicas / base.replicas x its capacity, with a first step of 1 + 4
+    rel_tol: capacity grows about in proportion to the replicas (a little faster, as load
+    evens out over more of them), so the guess brackets the capacity in two or three runs
+    instead of the doublings from --rate-lo. A base of capacity 0 changes nothing."""
 
     policy: str
     router: str
     replicas: int
-    lo: float  # sustained (or the first rate to try)
+    start: float  # the first rate to try (set from ``base`` when that is done)
     rel_tol: float
-    hi: float | None = None  # not sustained
-    lo_ok: bool | None = None  # whether ``lo`` was sustained (None: not yet known)
+    floor: float | None = None  # None: ``start``
+    first_step: float = 2.0
+    base: Search | None = None
+    ok_rate: float | None = None  # the highest rate sustained
+    hi: float | None = None  # the lowest rate not sustained
     evaluations: int = 0
     history: list = field(default_factory=list)
+    _step: float | None = None  # the next step's factor, up or down, while unbracketed
+
+    def __post_init__(self) -> None:
+        if self.floor is None:
+            self.floor = self.start
+
+    @property
+    def ready(self) -> bool:
+        """Whether its next rate is known (it has no base, or that is done)."""
+        return self.base is None or self.evaluations > 0 or self.base.done
 
     @property
     def done(self) -> bool:
-        if self.lo_ok is False:
-            return True
-        return self.hi is not None and (self.hi - self.lo) <= self.rel_tol * self.hi
+        if self.ok_rate is None:
+            return self.hi is not None and self.hi <= self.floor
+        return self.hi is not None and (self.hi - self.ok_rate) <= self.rel_tol * self.hi
 
     def next_rate(self) -> float:
-        if self.lo_ok is None:
-            return self.lo
+        if not self.evaluations:
+            if self._step is None:  # the first call: the start, from the base if any
+                if self.base is not None and self.base.capacity > 0:
+                    guess = self.base.capacity * self.replicas / self.base.replicas
+                    self.start, self.first_step = max(guess, self.floor), 1 + 4 * self.rel_tol
+                self._step = self.first_step
+            return self.start
         if self.hi is None:
-            return self.lo * 2
-        return (self.lo + self.hi) / 2
+            return self.ok_rate * self._step
+        if self.ok_rate is None:
+            return max(self.hi / self._step, self.floor)
+        return (self.ok_rate + self.hi) / 2
 
     def record(self, rate: float, ok: bool) -> None:
+        if self.evaluations and (self.hi is None or self.ok_rate is None):
+            self._step = 2.0  # a step was made from an unbracketed rate: later ones double
         self.evaluations += 1
         self.history.append((rate, ok))
-        if self.lo_ok is None:
-            self.lo_ok = ok
-            if not ok:
-                self.hi = rate
-        elif ok:
-            self.lo = rate
+        if ok:
+            self.ok_rate = rate
         else:
             self.hi = rate
         if self.evaluations > 60:  # a non-monotone response cannot loop forever
-            self.hi = self.lo
+            self.hi = self.ok_rate if self.ok_rate is not None else self.floor
 
     @property
     def capacity(self) -> float:
-        return self.lo if self.lo_ok else 0.0
+        return self.ok_rate or 0.0
 
 
 HORIZON_S = 300.0  # a run's span where the workload is not a trace (or --horizon-s)
@@ -725,9 +755,10 @@ def run_searches(searches: list[Search], runs: Runs, progress=None) -> None:
     """Advance every search to its end, the runs of a step (every search's next rate x
     seeds) together."""
     while True:
-        active = [s for s in searches if not s.done]
-        if not active:
+        left = [s for s in searches if not s.done]
+        if not left:
             return
+        active = [s for s in left if s.ready]
         tasks = {id(s): runs.tasks(s.policy, s.router, s.replicas, s.next_rate()) for s in active}
         runs.run([t for ts in tasks.values() for t in ts])
         for s in active:
@@ -830,7 +861,12 @@ def parser() -> argparse.ArgumentParser:
                     "grows without bound is not sustained)")  # fmt: skip
     ap.add_argument("--target-rate", type=float, default=None,
                     help="also report the fewest replicas that sustain this rate")  # fmt: skip
-    ap.add_argument("--rate-lo", type=float, default=0.25, help="first rate per replica")
+    ap.add_argument(
+        "--rate-lo",
+        type=float,
+        default=0.25,
+        help="lowest rate per replica searched (where the search of the fewest replicas starts)",
+    )
     ap.add_argument("--rel-tol", type=float, default=0.05)
     ap.add_argument("--horizon-s", type=float, default=None,
                     help=f"each run's span: rate x this many arrivals (default {HORIZON_S:g}; "
@@ -960,9 +996,14 @@ def main(argv=None) -> int:
             print(f"qllm-plan: warning: --routers {r} needs at least {least[r]} replicas "
                   f"({least[r] - 1} reserved for LS, plus one): not searched on "
                   f"{', '.join(map(str, below))}", file=sys.stderr)  # fmt: skip
-    searches = [Search(p, r, n, args.rate_lo * n, args.rel_tol)
-                for p in args.policies for r in args.routers for n in sorted(args.replicas)
-                if n >= least[r]]  # fmt: skip
+    searches = []
+    for p in args.policies:
+        for r in args.routers:
+            base = None  # each count's search starts from the fewest's capacity
+            for n in sorted(args.replicas):
+                if n >= least[r]:
+                    searches.append(Search(p, r, n, args.rate_lo * n, args.rel_tol, base=base))
+                    base = base or searches[-1]
     if not searches:
         print("qllm-plan: error: no --replicas count is enough for any --routers",
               file=sys.stderr)  # fmt: skip

@@ -140,14 +140,48 @@ def test_more_replicas_drain_an_overload_faster():
 def test_bisection_finds_a_monotone_capacity_within_tolerance():
     from sim.plan import Search
 
-    s = Search("qllm", "round_robin", 1, lo=0.5, rel_tol=0.02)
+    s = Search("qllm", "round_robin", 1, start=0.5, rel_tol=0.02)
     while not s.done:
         rate = s.next_rate()
         s.record(rate, rate <= 7.3)
     assert 7.3 * 0.98 <= s.capacity <= 7.3
-    low = Search("qllm", "round_robin", 1, lo=0.5, rel_tol=0.02)
+    # doublings from the start, then halvings of the bracket
+    assert [r for r, _ in s.history][:6] == [0.5, 1.0, 2.0, 4.0, 8.0, 6.0]
+    low = Search("qllm", "round_robin", 1, start=0.5, rel_tol=0.02)
     low.record(low.next_rate(), False)
     assert low.done and low.capacity == 0.0
+
+
+def run_search(s, capacity):
+    while not s.done:
+        assert s.ready
+        rate = s.next_rate()
+        s.record(rate, rate <= capacity)
+    return s
+
+
+@pytest.mark.parametrize("capacity", [0.3, 2.0, 13.0, 15.1, 16.0, 21.0, 200.0])
+def test_a_search_started_from_fewer_replicas_finds_the_same_capacity_in_fewer_runs(capacity):
+    """A search of 4 replicas after one of 1 (capacity 3.7 there) starts at 4 x 3.7 = 14.8
+    and steps 1.2x, then 2x, up or down: whatever the capacity, it ends within rel_tol of it
+    (or at 0 below the floor, as one from the floor does); near the guess, in a few runs."""
+    from sim.plan import Search
+
+    base = Search("qllm", "round_robin", 1, start=0.5, rel_tol=0.05)
+    seeded = Search("qllm", "round_robin", 4, start=2.0, rel_tol=0.05, base=base)
+    assert not seeded.ready
+    run_search(base, 3.7)
+    assert seeded.ready
+    run_search(seeded, capacity)
+    plain = run_search(Search("qllm", "round_robin", 4, start=2.0, rel_tol=0.05), capacity)
+    assert seeded.history[0][0] == pytest.approx(4 * base.capacity)
+    if capacity < 2.0:
+        assert seeded.capacity == plain.capacity == 0.0 and seeded.hi == 2.0
+        return
+    assert capacity * 0.95 <= seeded.capacity <= capacity
+    assert seeded.hi is None or seeded.hi > capacity
+    if 13.0 <= capacity <= 16.0:
+        assert seeded.evaluations <= 4 < plain.evaluations, (seeded.history, plain.history)
 
 
 def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monkeypatch, capsys):
