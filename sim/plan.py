@@ -460,15 +460,17 @@ def no_slo_problem(cfg, n: int) -> str:
 class Search:
     """The search for one (policy, router, replicas): from ``start``, steps up while the rate
     is sustained and down while it is not, until a sustained and a failed rate bracket the
-    capacity; then bisection until the bracket is within ``rel_tol``. The first step is a
-    factor of ``first_step``, the later ones 2 (from --rate-lo: doublings). A failed
-    ``floor`` (the lowest rate searched, --rate-lo x replicas) ends it with capacity 0.
+    capacity; then bisection until the bracket is within ``rel_tol``. Each step is a factor
+    of ``step`` (by default 2: doublings from --rate-lo). A failed ``floor`` (the lowest rate
+    searched, --rate-lo x replicas) ends it with capacity 0.
 
     ``base``: a search of fewer replicas of the same policy and router. This one waits for it
-    and starts at replicas / base.replicas x its capacity, with a first step of 1 + 4
-    rel_tol: capacity grows about in proportion to the replicas (a little faster, as load
-    evens out over more of them), so the guess brackets the capacity in two or three runs
-    instead of the doublings from --rate-lo. A base of capacity 0 changes nothing."""
+    and starts at replicas / base.replicas x its capacity, with steps of 1 + 4 rel_tol, each
+    the square of the one before (1.2, 1.44, 2.07, 4.3, ... at rel_tol 0.05): capacity grows
+    about in proportion to the replicas (a little faster, as load evens out over more of
+    them), so the guess brackets the capacity in two or three runs instead of the doublings
+    from --rate-lo, and a guess far off is still bracketed in a few. A base of capacity 0
+    changes nothing."""
 
     policy: str
     router: str
@@ -476,13 +478,13 @@ class Search:
     start: float  # the first rate to try (set from ``base`` when that is done)
     rel_tol: float
     floor: float | None = None  # None: ``start``
-    first_step: float = 2.0
+    step: float = 2.0
+    squared: bool = False  # whether each step is the square of the one before
     base: Search | None = None
     ok_rate: float | None = None  # the highest rate sustained
     hi: float | None = None  # the lowest rate not sustained
     evaluations: int = 0
     history: list = field(default_factory=list)
-    _step: float | None = None  # the next step's factor, up or down, while unbracketed
 
     def __post_init__(self) -> None:
         if self.floor is None:
@@ -501,21 +503,20 @@ class Search:
 
     def next_rate(self) -> float:
         if not self.evaluations:
-            if self._step is None:  # the first call: the start, from the base if any
-                if self.base is not None and self.base.capacity > 0:
-                    guess = self.base.capacity * self.replicas / self.base.replicas
-                    self.start, self.first_step = max(guess, self.floor), 1 + 4 * self.rel_tol
-                self._step = self.first_step
+            if self.base is not None and self.base.capacity > 0 and not self.squared:
+                guess = self.base.capacity * self.replicas / self.base.replicas
+                self.start, self.step = max(guess, self.floor), 1 + 4 * self.rel_tol
+                self.squared = True
             return self.start
         if self.hi is None:
-            return self.ok_rate * self._step
+            return self.ok_rate * self.step
         if self.ok_rate is None:
-            return max(self.hi / self._step, self.floor)
+            return max(self.hi / self.step, self.floor)
         return (self.ok_rate + self.hi) / 2
 
     def record(self, rate: float, ok: bool) -> None:
-        if self.evaluations and (self.hi is None or self.ok_rate is None):
-            self._step = 2.0  # a step was made from an unbracketed rate: later ones double
+        if self.evaluations and self.squared and (self.hi is None or self.ok_rate is None):
+            self.step *= self.step  # a step was made from an unbracketed rate
         self.evaluations += 1
         self.history.append((rate, ok))
         if ok:

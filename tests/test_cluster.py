@@ -162,9 +162,10 @@ def run_search(s, capacity):
 
 @pytest.mark.parametrize("capacity", [0.3, 2.0, 13.0, 15.1, 16.0, 21.0, 200.0])
 def test_a_search_started_from_fewer_replicas_finds_the_same_capacity_in_fewer_runs(capacity):
-    """A search of 4 replicas after one of 1 (capacity 3.7 there) starts at 4 x 3.7 = 14.8
-    and steps 1.2x, then 2x, up or down: whatever the capacity, it ends within rel_tol of it
-    (or at 0 below the floor, as one from the floor does); near the guess, in a few runs."""
+    """A search of 4 replicas after one of 1 (capacity 3.625 found for 3.7 there) starts at
+    4 x 3.625 = 14.5 and steps 1.2x, 1.44x, 2.07x, ... up or down: whatever the capacity, it
+    ends within rel_tol of it (or at 0 below the floor, as one from the floor does); near the
+    guess, in a few runs."""
     from sim.plan import Search
 
     base = Search("qllm", "round_robin", 1, start=0.5, rel_tol=0.05)
@@ -175,6 +176,9 @@ def test_a_search_started_from_fewer_replicas_finds_the_same_capacity_in_fewer_r
     run_search(seeded, capacity)
     plain = run_search(Search("qllm", "round_robin", 4, start=2.0, rel_tol=0.05), capacity)
     assert seeded.history[0][0] == pytest.approx(4 * base.capacity)
+    if capacity in (21.0, 200.0):  # up from 14.5: x1.2, x1.44, x2.07, ...
+        ups = [r for r, ok in seeded.history[:4]]
+        assert ups[:3] == pytest.approx([14.5, 17.4, 25.056])
     if capacity < 2.0:
         assert seeded.capacity == plain.capacity == 0.0 and seeded.hi == 2.0
         return
