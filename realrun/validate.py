@@ -78,6 +78,10 @@ def write_config(out: Path, cfg: DictConfig, rates: list[float] | None) -> None:
 
 def check(cfg: DictConfig) -> None:
     validate_engine(cfg)
+    if ClockKind(cfg.clock) is ClockKind.virtual:  # its times are stage counts, not the model's
+        raise UserError("clock=virtual: the virtual clock charges every stage 1 ms and times "
+                        "none of the model's work, so the real runs would measure nothing to "
+                        "validate against; use wall or cpu")  # fmt: skip
     if cfg.workload.rate != WorkloadConfig().rate:  # each point's rate: utilization / S1
         raise UserError(f"workload.rate={cfg.workload.rate}: qllm-validate sets each point's "
                         "rate from utilizations (a utilization over the solo service time); "
