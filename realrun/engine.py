@@ -247,6 +247,8 @@ class RealEngine:
             if partner is not None and state.cursor == partner.cursor:  # the paper's merge
                 batch.cursor = state.cursor
                 self._record(batch, start_cursor, state.cursor, start, now, False, merged=True)
+                if trace is not None:
+                    trace.segment(batch, start, now, preempted=False, merged=True)
                 shape = self._shapes.pop(batch.id) + self._shapes.pop(partner.id)
                 batch = sched.merge(partner, now)
                 self._shapes[batch.id] = shape  # the merged batch's segment starts here

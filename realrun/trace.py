@@ -1,7 +1,7 @@
 """A Chrome trace of a real run (Trace Event Format, opens in Perfetto or chrome://tracing).
 
 Process "engine": thread "batches" has one complete ("X") event per executed segment of a
-batch (from its start or resume to its end or preemption), thread "stages" one per stage that
+batch (from its start or resume to its end, preemption or merge), thread "stages" one per stage that
 did work (empty expert queues are left out). Process "requests": one thread per request with
 an event from arrival to finish and, nested in it, one from arrival to the first token. Times
 are microseconds of the engine's clock.
@@ -48,8 +48,9 @@ class ChromeTrace:
         self._complete(name, ref.stage, ENGINE, STAGES, start_s, end_s,
                        {"batch": batch.id, "index": ref.index, "tokens": tokens})  # fmt: skip
 
-    def segment(self, batch: Batch, start_s: float, end_s: float, preempted: bool) -> None:
-        outcome = "preempted" if preempted else "done"
+    def segment(self, batch: Batch, start_s: float, end_s: float, preempted: bool,
+                merged: bool = False) -> None:  # fmt: skip
+        outcome = "preempted" if preempted else "merged" if merged else "done"
         ids = [s.id for s in batch.sequences]
         self._complete(f"{batch.phase.value} #{batch.id} ({outcome})", batch.phase.value, ENGINE,
                        BATCHES, start_s, end_s, {"requests": ids, "size": batch.size,

@@ -78,6 +78,10 @@ def write_config(out: Path, cfg: DictConfig, rates: list[float] | None) -> None:
 
 def check(cfg: DictConfig) -> None:
     validate_engine(cfg)
+    if ClockKind(cfg.clock) is ClockKind.virtual:  # its times are stage counts, not the model's
+        raise UserError("clock=virtual: the virtual clock charges every stage 1 ms and times "
+                        "none of the model's work, so the real runs would measure nothing to "
+                        "validate against; use wall or cpu")  # fmt: skip
     if cfg.workload.rate != WorkloadConfig().rate:  # each point's rate: utilization / S1
         raise UserError(f"workload.rate={cfg.workload.rate}: qllm-validate sets each point's "
                         "rate from utilizations (a utilization over the solo service time); "
@@ -734,6 +738,10 @@ def measure_engine_host(runner, sim_cfg, profile, largest_batch: int, clock: Clo
     return fit_host(gaps)
 
 
+# What a validation writes at its end, from its runs (config.yaml and the profile come first).
+RESULT_FILES = ("validation.json", "iteration_errors.json", "iterations.csv.gz", "validation.png")
+
+
 def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     """The whole comparison; needs Hydra initialized with CONF_DIR (the app or a test)."""
     check(cfg)
@@ -753,6 +761,10 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     name = cfg.name or f"{info.name}-{info.device.type}"
     out = Path(cfg.out_dir) / name
     out.mkdir(parents=True, exist_ok=True)
+    # an earlier validation's results go before this one's config is written: a run stopped
+    # midway must not leave them beside a config (and profile) that did not produce them
+    for stale in RESULT_FILES:
+        (out / stale).unlink(missing_ok=True)
     write_config(out, cfg, None)  # the rates come with the profile's first pass
     # Lengths and classes do not depend on the rate (separate random streams): measure S1 once.
     nominal, _ = prepare_requests(cfg, runner, build_workload(cfg.workload, seed=cfg.seed))

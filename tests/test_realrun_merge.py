@@ -16,6 +16,7 @@ from policies.scheduler import Scheduler
 from profiler.ops import RunnerError
 from realrun.clock import VirtualClock
 from realrun.engine import RealEngine
+from realrun.trace import ChromeTrace
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,7 +50,8 @@ def test_merged_iterations_generate_exactly_the_greedy_tokens(f64):
     pol = policy("qllm", max_batch_size=12)
     pol.merge = True
     sched = MergeRecording(pol, kv_capacity_tokens=100_000, activation_tokens_per_token=1.0)
-    result = RealEngine(requests, prompts, sched, runner, VirtualClock(STAGE_S)).run()
+    trace = ChromeTrace(stages=False)
+    result = RealEngine(requests, prompts, sched, runner, VirtualClock(STAGE_S), trace).run()
     assert result.tokens == reference
     assert all(s.done for s in result.sequences)
     assert sched.merges >= 3, sched.merged
@@ -68,6 +70,13 @@ def test_merged_iterations_generate_exactly_the_greedy_tokens(f64):
                      if s.start_s == seg.end_s and s.start_cursor == seg.end_cursor)  # fmt: skip
         assert len(after.shape) > len(seg.shape)
     assert sum(s.end_cursor - s.start_cursor for s in result.segments) == result.stages
+    # the trace shows every segment, the stretch before a merge too (it was left out: the
+    # engine looked idle there)
+    spans = [e for e in trace.events if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 0]
+    assert [(e["ts"], e["dur"]) for e in spans] == [
+        (round(s.start_s * 1e6, 3), round(s.measured_s * 1e6, 3)) for s in result.segments
+    ]
+    assert sum(e["name"].endswith("(merged)") for e in spans) == sched.merges
 
 
 def test_the_runner_merges_only_iterations_at_the_same_boundary(f64):

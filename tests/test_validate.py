@@ -216,13 +216,38 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
      ("utilizations=[0]", "utilizations=[0.0]: need values > 0"),
      ("max_prompt_tokens=0", "max_prompt_tokens=0: must be >= 1"),
      ("min_run_s=-1", "min_run_s=-1.0: must be >= 0"),
-     ("workload.rate=99", "workload.rate=99.0: qllm-validate sets each point's rate")],
+     ("workload.rate=99", "workload.rate=99.0: qllm-validate sets each point's rate"),
+     # accepted before: the real runs timed 1 ms a stage against a wall-clock profile
+     ("clock=virtual", "clock=virtual: the virtual clock charges every stage 1 ms")],
 )  # fmt: skip
 def test_bad_settings_are_user_errors(override, message):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("validate", overrides=[override])
     with pytest.raises(UserError, match=message.replace("[", r"\[")):
         check(cfg)
+
+
+def test_a_stopped_rerun_leaves_no_earlier_results_beside_its_config(tmp_path):
+    """config.yaml is written when a validation starts, its results when it ends: a rerun into
+    the same directory (the default name is <model>-<device>) stopped midway left the earlier
+    run's validation.json beside the new config, and the summary table read its clock there."""
+    from realrun.validate import run_validation
+
+    results = ("validation.json", "iteration_errors.json", "iterations.csv.gz", "validation.png")
+    out = tmp_path / "tiny-olmoe-cpu"
+    out.mkdir()
+    for name in results:
+        (out / name).write_text("an earlier run's")
+    (out / "config.yaml").write_text("clock: wall\n")
+    other = ROOT / "results" / "validation" / "tiny-qwen2-moe-cpu" / "profile"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("validate", overrides=["model=tiny-olmoe", "device=cpu", "clock=cpu",
+                                             f"profile.path={other}", f"out_dir={tmp_path}",
+                                             "progress=false"])  # fmt: skip
+    with pytest.raises(UserError, match="not of this model"):  # stops after writing its config
+        run_validation(cfg)
+    assert validation_table.clock_of(out) == "cpu"
+    assert not [name for name in results if (out / name).exists()]
 
 
 def test_console_script_prints_the_table(tmp_path):
