@@ -207,8 +207,8 @@ class ProfileSource:
             timed = ((profile.extra or {}).get("settings") or {}).get("clock")
             if timed is not None and timed != clock:
                 print(f"warning: profile.path={path} was timed on the {timed} clock, these "
-                      f"runs on the {clock} clock (clock={cfg.clock}): their errors mix the "
-                      "two", file=sys.stderr)  # fmt: skip
+                      f"runs on the {clock} clock (clock={ClockKind(cfg.clock).value}): their "
+                      "errors mix the two", file=sys.stderr)  # fmt: skip
             # the results folder holds the profile its runs were predicted with (unless the
             # profile given is that folder's own: a rerun into the same results)
             if Path(path).resolve() != self.directory:
@@ -221,8 +221,14 @@ class ProfileSource:
 
         settings_cfg = {k: v for k, v in OmegaConf.to_container(cfg.profile).items()
                         if k != "path"}  # fmt: skip
+        runs_clock = "process" if ClockKind(cfg.clock) is ClockKind.cpu else "wall"
         if settings_cfg.get("clock") is None:  # the runs' clock: CPU time is the process clock
-            settings_cfg["clock"] = "process" if ClockKind(cfg.clock) is ClockKind.cpu else "wall"
+            settings_cfg["clock"] = runs_clock
+        elif settings_cfg["clock"] != runs_clock:  # as for a profile.path timed on another
+            print(f"warning: profile.clock={settings_cfg['clock']}: the profile is timed on the "
+                  f"{settings_cfg['clock']} clock, these runs on the {runs_clock} clock "
+                  f"(clock={ClockKind(cfg.clock).value}): their errors mix the two",
+                  file=sys.stderr)  # fmt: skip
         settings_cfg["grid"], added = covering_grid(settings_cfg["grid"], *cover)
         settings_cfg["passes"] = cfg.replays + 1
         if added:

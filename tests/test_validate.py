@@ -406,6 +406,26 @@ def test_a_profile_of_another_dtype_is_refused(tmp_path):
         ProfileSource(cfg, runner, info, tmp_path / "out", (1, 1, 1, 1))
 
 
+def test_a_profile_clock_other_than_the_runs_is_warned_of(tmp_path, capsys):
+    """profile.clock=wall with clock=cpu: the profile and the runs on two clocks, as with a
+    profile.path timed on another (warned of there too). The profile's settings are made to
+    fail right after, so that no pass runs."""
+    from realrun.run import load_model
+    from realrun.validate import ProfileSource
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("validate", overrides=["model=tiny-olmoe", "device=cpu", "clock=cpu",
+                                             "profile.clock=wall",
+                                             "profile.repeats=0"])  # fmt: skip
+    runner, info = load_model(cfg)
+    with pytest.raises(UserError, match="profile"):
+        ProfileSource(cfg, runner, info, tmp_path / "out", (1, 1, 1, 1))
+    assert (
+        "warning: profile.clock=wall: the profile is timed on the wall clock, these runs "
+        "on the process clock (clock=cpu)"
+    ) in capsys.readouterr().err
+
+
 def test_a_run_that_page_faulted_is_warned_about():
     summary = {"classes": {c: {"count": 0} for c in CLASSES}, "throughput": {"jobs_per_s": 1.0}}
     faulted = [{**summary, "executor": {"page_faults": f}} for f in (12, 2400)]
