@@ -13,11 +13,16 @@ then all see the tokens the model actually runs.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from policies.core import Request
+
+# the files that say a checkpoint has a tokenizer of its own
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 def load_tokenizer(path: str | None):
@@ -28,7 +33,12 @@ def load_tokenizer(path: str | None):
 
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:
+        files = [f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]
+        if files:  # it has one that did not load (a missing package, a broken file)
+            print(f"warning: {path} has a tokenizer ({', '.join(files)}) that did not load "
+                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): the "
+                  "prompts are random token ids", file=sys.stderr)  # fmt: skip
         return None
 
 

@@ -221,3 +221,22 @@ def test_exact_tokens_on_cuda():
         )[0, r.prompt_tokens :].tolist()
         assert result.tokens[r.id] == ref
     assert result.preemptions >= 5
+
+
+def test_a_checkpoint_whose_tokenizer_does_not_load_is_warned_of(tmp_path, capsys):
+    """A checkpoint with no tokenizer feeds random ids without a word (the tiny presets); one
+    whose tokenizer files are there but do not load (a broken file, a missing package) is
+    warned of: its text prompts would otherwise silently become random ids."""
+    from realrun.prompts import load_tokenizer
+
+    assert load_tokenizer(str(tmp_path)) is None
+    assert capsys.readouterr().err == ""
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    assert load_tokenizer(str(tmp_path)) is None
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(
+            f"warning: {tmp_path} has a tokenizer (tokenizer_config.json) that did not load ("
+        )
+        and "the prompts are random token ids" in err
+    )
