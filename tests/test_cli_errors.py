@@ -50,6 +50,11 @@ CASES = (
     + [("qllm-profile", ["threads=0"], "threads=0: must be an integer >= 1 or null"),
        ("qllm-profile", ["repeats=x"], "repeats=x: must be an integer >= 1"),
        ("qllm-profile", ["model=nope"], "model=nope: unknown model; choose one of")]
+    # a grid that is not a list of integers: '16' was profiled as batches 1 and 6, 1.5 as 1
+    + [(prog, [f"{pre}grid.decode_batch={v}"], f"{pre}grid.decode_batch={said}: must be a list "
+        "of integers")
+       for prog, pre in (("qllm-profile", ""), ("qllm-validate", "profile."))
+       for v, said in (("'16'", "16"), ("16", "16"), ("[4,1.5]", "[4, 1.5]"))]
 )  # fmt: skip
 
 
