@@ -32,7 +32,15 @@ POLICY = [
     (["policy.batch_size=8"], "policy.batch_size=8: unknown key; policy has"),
     (["-m", "policy=fcfs,nope"], "policy=nope: unknown policy; choose one of"),
     (["policy=qllm", "policy.merge=maybe"], "policy=qllm: merge=maybe: must be true or false"),
-]
+    # the keys of the policy chosen, not of the default one (qllm's, which vllm lacks and
+    # iteration too: it listed max_in_flight as a key the iteration policy has)
+    (["policy=vllm", "policy.max_batch_size=8"], "policy.max_batch_size=8: unknown key; policy "
+     "has _target_, enable_chunked_prefill, max_num_batched_tokens, max_num_seqs, name, "
+     "scheduling_policy"),
+    (["policy=iteration", "policy.max_in_flight=32"], "policy.max_in_flight=32: unknown key; "
+     "policy has _target_, max_batch_prefill_tokens, max_batch_size, max_batch_total_tokens, "
+     "max_waiting_tokens, name, waiting_served_ratio"),
+]  # fmt: skip
 CASES = (
     [("qllm-sim", *c) for c in COMMON + WORKLOAD + POLICY]
     + [("qllm-sim", ["profile.path=/nonexistent"], "profile.path=/nonexistent: not a directory")]
