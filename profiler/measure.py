@@ -96,9 +96,16 @@ from tqdm import tqdm
 from policies.core import Stage
 from profiler.models import ModelInfo, available_bytes, build_model
 from profiler.ops import KVSequence, ModelRunner, StageRef
-from profiler.schema import Memory, OpPoint, Profile
+from profiler.schema import (  # noqa: F401 (SettingsError: measure.SettingsError, as before)
+    GRID_KEYS,
+    Memory,
+    OpPoint,
+    Profile,
+    SettingsError,
+    int_list,
+    setting_int,
+)
 
-GRID_KEYS = ("prefill_tokens", "decode_batch", "decode_kv", "expert_tokens")
 # CPU clocks: wall time, or this process's CPU time (steady on a shared machine; it equals the
 # wall time of an uncontended run only with one torch thread).
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
@@ -154,10 +161,6 @@ KV_MEMORY_SHARE = 0.9
 SPLIT_OPS = ("attn_prefill_outer", "attn_prefill_next")  # a prefill's attention, split
 
 
-class SettingsError(ValueError):
-    """A profiler setting is out of range."""
-
-
 @dataclass
 class Settings:
     prefill_tokens: list[int]
@@ -188,26 +191,26 @@ class Settings:
     def from_config(cls, cfg: Any) -> Settings:
         grid, routing = cfg["grid"], cfg["routing"]
         out = cls(
-            **{k: sorted({int(x) for x in grid[k]}) for k in GRID_KEYS},
-            warmup=int(cfg["warmup"]),
-            repeats=int(cfg["repeats"]),
+            **{k: sorted(set(int_list(f"grid.{k}", grid[k]))) for k in GRID_KEYS},
+            warmup=setting_int("warmup", cfg["warmup"]),
+            repeats=setting_int("repeats", cfg["repeats"]),
             clock=str(cfg["clock"]),
-            routing_prompts=int(routing["prompts"]),
-            routing_prompt_tokens=int(routing["prompt_tokens"]),
-            seed=int(cfg["seed"]),
-            passes=int(cfg.get("passes") or 1),
+            routing_prompts=setting_int("routing.prompts", routing["prompts"]),
+            routing_prompt_tokens=setting_int("routing.prompt_tokens", routing["prompt_tokens"]),
+            seed=setting_int("seed", cfg["seed"]),
+            passes=setting_int("passes", cfg.get("passes") or 1),
         )
-        out.chunk_kv = tuple(sorted({int(x) for x in grid.get("chunk_kv") or ()}))
-        batched = grid.get("prefill_batch_tokens") or ()
-        out.prefill_batch_tokens = tuple(sorted({int(x) for x in batched}))
+        out.chunk_kv = tuple(sorted(set(int_list("grid.chunk_kv", grid.get("chunk_kv") or ()))))
+        batched = int_list("grid.prefill_batch_tokens", grid.get("prefill_batch_tokens") or ())
+        out.prefill_batch_tokens = tuple(sorted(set(batched)))
         pairs = grid.get("prefill_pairs", True)
         if not isinstance(pairs, bool):
             raise SettingsError(f"grid.prefill_pairs={pairs}: must be true or false")
         out.prefill_pairs = pairs
         wake = cfg.get("wake")
         if wake is not None:
-            out.wake_idle_ms = tuple(sorted({int(x) for x in wake["idle_ms"]}))
-            out.wake_repeats = int(wake["repeats"])
+            out.wake_idle_ms = tuple(sorted(set(int_list("wake.idle_ms", wake["idle_ms"]))))
+            out.wake_repeats = setting_int("wake.repeats", wake["repeats"])
         out.validate()
         return out
 

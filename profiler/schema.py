@@ -151,8 +151,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 SCHEMA_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)  # version 1: no idle_ms column; 2: no busy_ms column
@@ -210,6 +212,32 @@ OPS_FILE = "ops.csv"
 
 class ProfileError(ValueError):
     """A profile directory is missing or malformed."""
+
+
+# The profiler's settings (conf/profiler.yaml, qllm-validate's profile.*), checked before torch
+# loads: the grid's lists are free-form in the config, so a string or a float would be misread
+GRID_KEYS = ("prefill_tokens", "decode_batch", "decode_kv", "expert_tokens")
+
+
+class SettingsError(ValueError):
+    """A profiler setting is out of range."""
+
+
+def setting_int(key: str, value: Any) -> int:
+    """A setting that must be an integer: a float or a string is refused, not truncated."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SettingsError(f"{key}={value}: must be an integer")
+    return value
+
+
+def int_list(key: str, value: Any) -> list[int]:
+    """A grid setting: a list of integers (a string was read character by character, '16' as
+    batches 1 and 6, and a float truncated)."""
+    values = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else None
+    if values is None or any(isinstance(x, bool) or not isinstance(x, int) for x in values):
+        shown = values if values is not None else value
+        raise SettingsError(f"{key}={shown}: must be a list of integers, e.g. [1,4,16]")
+    return values
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from policies.core import BE, LS, Batch, Phase, Request, Sequence
+from profiler.schema import GRID_KEYS, SettingsError, int_list
 from realrun.config import ClockKind, ValidateConfig, validate_engine, validate_shared
 from sim.app import CONF_DIR  # registers the simulator's schema (base_config) that it composes
 from sim.cli import App, fail, run
@@ -100,6 +101,11 @@ def check(cfg: DictConfig) -> None:
             raise UserError(f"policies: {name} is not a policy; choose from {', '.join(known)}")
     # the workload and slo checks, before the minutes of profiling
     validate_shared(cfg, OmegaConf.load(CONF_DIR / "policy" / f"{cfg.policies[0]}.yaml"))
+    if cfg.profile.get("path") is None:  # the grid too, before any output is written
+        try:
+            covering_grid(OmegaConf.to_container(cfg.profile.grid), 0, 0, 0)
+        except SettingsError as e:
+            raise UserError(f"profile.{e}") from None
 
 
 def sim_config(cfg: DictConfig, policy: str, profile_dir: Path) -> DictConfig:
@@ -125,14 +131,20 @@ def covering_grid(
     expert queues up to the largest prefill (doubling: one expert can get every token of a
     prefill); and the lines saying what was added."""
     grid, added = dict(grid), []
+    # a string or a float is refused, not misread
+    ints = {key: sorted(set(int_list(f"grid.{key}", grid.get(key) or ())))
+            for key in (*GRID_KEYS, "prefill_batch_tokens")}  # fmt: skip
+    for key in GRID_KEYS:
+        if not ints[key]:
+            raise SettingsError(f"grid.{key} must be a non-empty list of integers >= 1")
     for key, need in (("decode_batch", largest_batch), ("prefill_tokens", longest_prompt),
                       ("decode_kv", longest_context)):  # fmt: skip
-        values = sorted({int(v) for v in grid[key]})
+        values = ints[key]
         if need > values[-1]:
-            grid[key] = [*values, need]
+            grid[key] = ints[key] = [*values, need]
             added.append(f"{key} to {need}")
-    longest = max(int(v) for v in grid["prefill_tokens"])
-    batches = sorted({int(v) for v in grid.get("prefill_batch_tokens") or ()})
+    longest = max(ints["prefill_tokens"])
+    batches = ints["prefill_batch_tokens"]
     if largest_prefill > max([longest, *(n // longest * longest for n in batches)]):
         need, k = math.ceil(largest_prefill / longest), 2
         while k < need:
@@ -140,7 +152,7 @@ def covering_grid(
             k *= 2
         grid["prefill_batch_tokens"] = sorted({*batches, need * longest})
         added.append(f"prefill_batch_tokens to {need * longest} ({need} prompts of {longest})")
-    experts, most = sorted({int(v) for v in grid["expert_tokens"]}), max(largest_prefill, longest)
+    experts, most = ints["expert_tokens"], max(largest_prefill, longest)
     if most > experts[-1]:
         while experts[-1] < most:
             experts.append(min(2 * experts[-1], most))
@@ -217,7 +229,7 @@ class ProfileSource:
                 shutil.copytree(Path(path), self.directory)
             self.profile = profile
             return
-        from profiler.measure import Profiler, Settings, SettingsError
+        from profiler.measure import Profiler, Settings
 
         settings_cfg = {k: v for k, v in OmegaConf.to_container(cfg.profile).items()
                         if k != "path"}  # fmt: skip
@@ -229,14 +241,16 @@ class ProfileSource:
                   f"{settings_cfg['clock']} clock, these runs on the {runs_clock} clock "
                   f"(clock={ClockKind(cfg.clock).value}): their errors mix the two",
                   file=sys.stderr)  # fmt: skip
-        settings_cfg["grid"], added = covering_grid(settings_cfg["grid"], *cover)
         settings_cfg["passes"] = cfg.replays + 1
+        try:
+            settings_cfg["grid"], added = covering_grid(settings_cfg["grid"], *cover)
+            settings = Settings.from_config({**settings_cfg, "seed": cfg.seed})
+        except SettingsError as e:  # its message starts with the key, under profile.
+            raise UserError(f"profile.{e}") from None
+        except KeyError as e:
+            raise UserError(f"profile: {e}") from None
         if added:
             print(f"profile grid extended to cover the runs: {', '.join(added)}")
-        try:
-            settings = Settings.from_config({**settings_cfg, "seed": cfg.seed})
-        except (SettingsError, KeyError) as e:
-            raise UserError(f"profile: {e}") from None
         self.prof = Profiler(runner, settings, info.device)
         self.progress = cfg.progress
         self.between_rounds()

@@ -214,11 +214,11 @@ def explain(app: App, e: Exception, overrides: list[str]) -> str:
     if m := re.search(r"expected one of \[(.*)\]", first):
         return f"{said}: must be one of {m[1]}"
     if m := re.search(r"is not a subclass of (\w+)", first):
-        return f"{said}: {key} is a group of keys ({', '.join(keys_of(app, key))}); set them " \
-               f"one by one ({key}.<key>=<value>)"  # fmt: skip
+        return f"{said}: {key} is a group of keys ({', '.join(keys_of(app, key, overrides))}); " \
+               f"set them one by one ({key}.<key>=<value>)"  # fmt: skip
     if "not in struct" in first or re.search(r"Key '.*' not in '", first):
         parent = error_key.rpartition(".")[0]
-        allowed = ", ".join(keys_of(app, parent))
+        allowed = ", ".join(keys_of(app, parent, overrides))
         return f"{said}: unknown key; {parent or 'the config'} has {allowed}"
     if "does not support deletion" in first:
         return f"~{key}: cannot be removed; set a value instead"
@@ -229,8 +229,15 @@ def explain(app: App, e: Exception, overrides: list[str]) -> str:
     return f"{said}: {first}"
 
 
-def keys_of(app: App, node: str) -> list[str]:
-    cfg = _compose(app, [])
+def keys_of(app: App, node: str, overrides: Sequence[str] = ()) -> list[str]:
+    """The keys under ``node`` with the config groups ``overrides`` choose (``policy=vllm``:
+    vllm's keys, not the default policy's)."""
+    groups = [line for line in overrides
+              if line.lstrip("+~").partition("=")[0].partition("@")[0] in app.groups]  # fmt: skip
+    try:
+        cfg = _compose(app, groups)
+    except HydraException:  # a choice that does not compose: the defaults' keys
+        cfg = _compose(app, [])
     sub = OmegaConf.select(cfg, node) if node else cfg
     return sorted(str(k) for k in sub.keys()) if isinstance(sub, DictConfig) else []
 
@@ -249,7 +256,9 @@ def check_added_keys(app: App, overrides: list[Override]) -> None:
         if o.is_delete():
             raise UserError(f"~{key}: cannot be removed; set a value instead")
         value = "..." if o.is_sweep_override() else o.get_value_element_as_str()
-        allowed = keys_of(app, parent)
+        groups = [g.input_line for g in overrides
+                  if g.key_or_group in app.groups and not g.is_sweep_override()]  # fmt: skip
+        allowed = keys_of(app, parent, groups)
         raise UserError(f"{o.get_key_element()}={value}: unknown key; "
                         f"{parent or 'the config'} has {', '.join(allowed)}")  # fmt: skip
 

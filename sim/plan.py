@@ -845,7 +845,7 @@ def fingerprints(overrides: list[str], policies: list[str]) -> tuple[dict[str, s
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="qllm-plan", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="qllm-plan", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Trailing arguments are qllm-sim overrides (workload=..., "
                                  "profile=..., slo.ls_ttft_s=...).")  # fmt: skip

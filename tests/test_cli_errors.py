@@ -32,7 +32,15 @@ POLICY = [
     (["policy.batch_size=8"], "policy.batch_size=8: unknown key; policy has"),
     (["-m", "policy=fcfs,nope"], "policy=nope: unknown policy; choose one of"),
     (["policy=qllm", "policy.merge=maybe"], "policy=qllm: merge=maybe: must be true or false"),
-]
+    # the keys of the policy chosen, not of the default one (qllm's, which vllm lacks and
+    # iteration too: it listed max_in_flight as a key the iteration policy has)
+    (["policy=vllm", "policy.max_batch_size=8"], "policy.max_batch_size=8: unknown key; policy "
+     "has _target_, enable_chunked_prefill, max_num_batched_tokens, max_num_seqs, name, "
+     "scheduling_policy"),
+    (["policy=iteration", "policy.max_in_flight=32"], "policy.max_in_flight=32: unknown key; "
+     "policy has _target_, max_batch_prefill_tokens, max_batch_size, max_batch_total_tokens, "
+     "max_waiting_tokens, name, waiting_served_ratio"),
+]  # fmt: skip
 CASES = (
     [("qllm-sim", *c) for c in COMMON + WORKLOAD + POLICY]
     + [("qllm-sim", ["profile.path=/nonexistent"], "profile.path=/nonexistent: not a directory")]
@@ -50,6 +58,11 @@ CASES = (
     + [("qllm-profile", ["threads=0"], "threads=0: must be an integer >= 1 or null"),
        ("qllm-profile", ["repeats=x"], "repeats=x: must be an integer >= 1"),
        ("qllm-profile", ["model=nope"], "model=nope: unknown model; choose one of")]
+    # a grid that is not a list of integers: '16' was profiled as batches 1 and 6, 1.5 as 1
+    + [(prog, [f"{pre}grid.decode_batch={v}"], f"{pre}grid.decode_batch={said}: must be a list "
+        "of integers")
+       for prog, pre in (("qllm-profile", ""), ("qllm-validate", "profile."))
+       for v, said in (("'16'", "16"), ("16", "16"), ("[4,1.5]", "[4, 1.5]"))]
 )  # fmt: skip
 
 

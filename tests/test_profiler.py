@@ -754,3 +754,25 @@ def test_a_batched_prefill_files_its_router_and_experts_and_splits_its_attention
     assert not {p.op for p in unsplit} & {"attn_prefill_outer", "attn_prefill_next"}
     assert {p.num_tokens for p in unsplit if p.op == "attn_prefill"} == {4, 12}
     measure.build_profile(prof, info, "t", unsplit)  # a valid profile
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("grid.decode_batch='16'", "grid.decode_batch=16: must be a list of integers"),  # [1, 6]
+        ("grid.decode_batch=16", "grid.decode_batch=16: must be a list of integers"),
+        ("grid.decode_batch=abc", "grid.decode_batch=abc: must be a list of integers"),
+        ("grid.decode_kv=[16,1.5]", "grid.decode_kv=[16, 1.5]: must be a list of integers"),
+        ("grid.chunk_kv=[true]", "grid.chunk_kv=[True]: must be a list of integers"),
+        ("wake.idle_ms=10", "wake.idle_ms=10: must be a list of integers"),
+        ("routing.prompts=abc", "routing.prompts=abc: must be an integer"),
+        ("passes=2.5", "passes=2.5: must be an integer"),
+    ],
+)
+def test_a_grid_setting_that_is_not_a_list_of_integers_is_refused(override, said):
+    # a string was iterated character by character ('16' profiled batches 1 and 6) and a
+    # float truncated, with no word; anything else ended in a traceback
+    cfg = app.compose_config([*SMALL, override])
+    with pytest.raises(measure.SettingsError) as e:
+        Settings.from_config(cfg)
+    assert str(e.value).startswith(said), e.value
