@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
@@ -174,6 +175,12 @@ LENGTH_KEYS_READ = {"fixed": ("tokens",), "uniform": ("min", "max"),
                     "lognormal": ("tokens", "sigma", "min", "max")}  # fmt: skip
 
 
+# sglang's admission budget (new_token_ratio) and retraction: under paged memory only
+SGLANG_BUDGET_KEYS = ("schedule_conservativeness", "init_new_token_ratio",
+                      "min_new_token_ratio_factor", "new_token_ratio_decay_steps",
+                      "retract_decode_steps", "clip_max_new_tokens_estimation")  # fmt: skip
+
+
 def ignored_keys(cfg: Any) -> list[str]:
     """The keys set away from their defaults where nothing reads them (a workload kind, an
     arrival process, a routing model or a router that ignores them), each as one line naming
@@ -196,6 +203,16 @@ def ignored_keys(cfg: Any) -> list[str]:
                     for k, v in value.items() if v != default.get(k)]  # fmt: skip
         else:
             out.append(f"{group}.{key}={value} is ignored without {unless}")
+    policy, memory = getattr(cfg, "policy", None), getattr(cfg, "memory", None)
+    if policy is not None and memory is not None and memory.model != "paged":
+        if policy.get("name") == "sglang":  # its admission budget reads paged memory only
+            own = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "policy"
+                                 / "sglang.yaml")  # fmt: skip
+            out += [
+                f"policy.{key}={policy[key]} is ignored without memory.model=paged"
+                for key in SGLANG_BUDGET_KEYS
+                if key in policy and policy[key] != own[key]
+            ]
     if _kind(cfg) == "synthetic":  # a length key its distribution does not read
         for name in ("prompt", "output"):
             lengths = cfg.workload[name]

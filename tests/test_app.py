@@ -474,6 +474,10 @@ def _load_in(cwd, name):
     (["memory.model=paged", "memory.swap_space_gib=1"],
      ["memory.swap_space_gib=1.0 is ignored without memory.model=paged memory.preemption=swap"]),
     (["memory.watermark=0"], ["memory.watermark=0.0 is ignored without memory.model=paged"]),
+    # sglang's admission budget under reserve memory (its yaml's values are its defaults)
+    (["policy=sglang", "policy.schedule_conservativeness=0.3", "policy.retract_decode_steps=20"],
+     ["policy.schedule_conservativeness=0.3 is ignored without memory.model=paged"]),
+    (["policy=sglang", "memory.model=paged", "policy.schedule_conservativeness=0.3"], []),
     # where they count, or at their defaults: nothing
     (["memory.model=paged", "memory.preemption=swap", "memory.swap_space_gib=1",
       "memory.block_size_tokens=64", "memory.watermark=0"], []),
