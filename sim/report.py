@@ -224,7 +224,8 @@ def arrival_rate(arrivals: pd.Series) -> float:
 def mixed_inputs(sweep_dir: str | Path) -> list[str]:
     """Warnings for runs that do not compare although their settings say they do: made from
     several versions of the simulator's code, or from different files under one profile name
-    (``summary.json``'s ``inputs``; runs from before it are counted apart)."""
+    (``summary.json``'s ``inputs``; runs from before it are counted apart). The real engine's
+    runs (``qllm-realrun``: no profile in their config) read neither and are not counted."""
     import json
 
     code: set[str] = set()
@@ -234,6 +235,8 @@ def mixed_inputs(sweep_dir: str | Path) -> list[str]:
         summary = json.loads((run / "summary.json").read_text())
         inputs = summary.get("inputs") or {}
         config = summary.get("config") or {}
+        if "profile" not in config:  # a real engine's run: no simulator code or profile read
+            continue
         name = config.get("profile", {}).get("name")
         code.add(inputs.get("code") or "unknown")
         profile.setdefault(name, set()).add(inputs.get("profile") or "unknown")

@@ -170,6 +170,15 @@ def test_report_warns_of_runs_made_by_other_code_or_profile_files(sweep, tmp_pat
     assert f"warning: profile {name}: these runs read 2 different sets of its files" in err
     kind = json.loads(third.read_text())["config"]["workload"]["kind"]
     assert f"warning: workload {kind}: these runs read 2 different versions of it" in err
+    # a real engine's run beside them (qllm-realrun: no inputs, no profile) is no other code
+    fresh = tmp_path / "fresh"
+    shutil.copytree(sweep, fresh)
+    real = json.loads(first.read_text())
+    del real["inputs"]
+    real["config"] = {k: v for k, v in real["config"].items() if k != "profile"}
+    (fresh / "real").mkdir()
+    (fresh / "real" / "summary.json").write_text(json.dumps(real))
+    assert mixed_inputs(fresh) == []
 
 
 def test_report_warns_of_a_point_whose_class_is_empty_in_some_seeds(sweep, tmp_path, capsys):
