@@ -176,7 +176,7 @@ def test_report_warns_of_runs_made_by_other_code_or_profile_files(sweep, tmp_pat
     real = json.loads(first.read_text())
     del real["inputs"]
     real["config"] = {k: v for k, v in real["config"].items() if k != "profile"}
-    (fresh / "real").mkdir()
+    shutil.copytree(first.parent / ".hydra", fresh / "real" / ".hydra")
     (fresh / "real" / "summary.json").write_text(json.dumps(real))
     assert mixed_inputs(fresh) == []
 
