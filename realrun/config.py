@@ -60,7 +60,7 @@ class RealrunConfig(EngineConfig):
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # the simulator's group
     clock: ClockKind = ClockKind.wall
     virtual_stage_ms: float = 1.0
-    trace: TraceLevel = TraceLevel.stages
+    trace: TraceLevel = TraceLevel.batches
     progress: bool = True
 
 

@@ -167,7 +167,7 @@ def run_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 def test_cli_writes_the_simulator_schema_and_a_chrome_trace(tmp_path):
     done = run_cli(tmp_path, "workload=synthetic", "workload.num_requests=6", "workload.rate=50",
                    "workload.prompt.tokens=12", "workload.output.tokens=3", "policy=qllm",
-                   "workload.ls_fraction=0.5")  # fmt: skip
+                   "workload.ls_fraction=0.5", "trace=stages")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "policy=qllm" in done.stdout
     df = pd.read_parquet(tmp_path / "requests.parquet")
@@ -187,6 +187,14 @@ def test_cli_writes_the_simulator_schema_and_a_chrome_trace(tmp_path):
     for e in spans:
         assert e["dur"] >= 0 and e["ts"] >= 0 and {"pid", "tid", "name"} <= set(e)
     assert sum(e["cat"] == "ttft" for e in spans) == 6
+    # by default batches and requests only: stage records would slow the timed run
+    default = run_cli(tmp_path / "default", "workload=synthetic", "workload.num_requests=3",
+                      "workload.rate=50", "workload.prompt.tokens=12",
+                      "workload.output.tokens=3")  # fmt: skip
+    assert default.returncode == 0, default.stderr
+    events = json.loads((tmp_path / "default" / "trace.json").read_text())["traceEvents"]
+    cats = {e["cat"] for e in events if e["ph"] == "X"}
+    assert "ttft" in cats and "prefill" in cats and not cats & {"attention", "expert"}
 
 
 @pytest.mark.parametrize(
