@@ -248,3 +248,15 @@ def test_a_checkpoint_whose_tokenizer_does_not_load_is_warned_of(tmp_path, capsy
         )
         and "the prompts are random token ids" in err
     )
+
+
+def test_default_run_directories_are_named_to_the_microsecond_as_qllm_sims():
+    """Two qllm-realrun runs started in the same second got one directory, and the second was
+    refused (its results lost); qllm-sim's names carry microseconds."""
+
+    def dirs(name):  # unresolved: ${now:...} resolves only inside Hydra
+        hydra = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / name), resolve=False)
+        return [hydra["hydra"][kind]["dir"] for kind in ("run", "sweep")]
+
+    for d in dirs("config.yaml") + dirs("realrun.yaml"):
+        assert d.endswith("${now:%H-%M-%S-%f}"), d
