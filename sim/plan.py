@@ -199,6 +199,14 @@ SEARCHED = {
 }
 
 
+# qllm-sim's options about a run directory, which a search's runs do not have
+NOT_PLAN = {
+    "resume": "qllm-plan reuses the runs of --out (whose inputs are today's); give another "
+    "--out for fresh runs",
+    "progress": "qllm-plan shows its own progress bar (the runs' would interleave)",
+}
+
+
 def override_keys(override: str) -> list[str]:
     """The keys an override sets: its own, and where its value is a dict (``workload={rate:
     2}``, which Hydra merges into the group), every key inside it, dotted."""
@@ -899,6 +907,10 @@ def main(argv=None) -> int:
         for o in args.overrides
         for key in sets[o]
         if key in SEARCHED
+    ]
+    # qllm-sim's run options that a search has its own ways for: accepted, they did nothing
+    problems += [
+        f"{o}: {NOT_PLAN[key]}" for o in args.overrides for key in sets[o] if key in NOT_PLAN
     ]
     # a count in --routers sets cluster.ls_replicas in its runs, after the user's override,
     # which evaluations.csv's setup would still record

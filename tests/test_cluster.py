@@ -924,6 +924,22 @@ def test_a_long_run_keeps_no_finished_sequence_and_pulls_requests_as_they_arrive
     assert not alive, f"{len(alive)} finished sequences still referenced"
 
 
+@pytest.mark.parametrize(("override", "said"), [
+    ("resume=false", "qllm-plan reuses the runs of --out"),
+    ("progress=true", "qllm-plan shows its own progress bar"),
+])  # fmt: skip
+def test_plan_refuses_a_run_directory_option_that_did_nothing(override, said, tmp_path, capsys):
+    """resume=false was accepted and the search still reused the runs of --out; progress= set
+    nothing either (found by the plan audit)."""
+    import sim.plan as plan
+
+    assert plan.main(["--replicas", "1", "--policies", "fcfs", "--jobs", "1", "--out",
+                      str(tmp_path), override]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"qllm-plan: error: {override}: {said}"), err
+    assert not (tmp_path / "evaluations.csv").exists()
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
