@@ -761,8 +761,8 @@ class Runs:
 
 
 def run_searches(searches: list[Search], runs: Runs, progress=None) -> None:
-    """Advance every search to its end, the runs of a step (every search's next rate x
-    seeds) together."""
+    """Advance every search to its end, the runs of a step (every ready search's next rate x
+    seeds) together; a search that starts from a base's capacity joins once that is done."""
     while True:
         left = [s for s in searches if not s.done]
         if not left:
