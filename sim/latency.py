@@ -577,7 +577,7 @@ def overhead_points(profile: Profile) -> list[OpPoint]:
     host = profile.op_points("engine_host")
     if not host:
         return overhead
-    end = min(overhead[-1].batch_size, host[-1].batch_size)
+    end = min(max(p.batch_size for p in overhead), max(p.batch_size for p in host))
     sizes = sorted(b for b in {p.batch_size for p in overhead} | {p.batch_size for p in host}
                    if b <= end)  # fmt: skip
     total = (Curve1D(overhead, "batch_size")(sizes) + Curve1D(host, "batch_size")(sizes)) * 1e3
