@@ -237,7 +237,7 @@ def mixed_inputs(sweep_dir: str | Path) -> list[str]:
         config = summary.get("config") or {}
         if "profile" not in config:  # a real engine's run: no simulator code or profile read
             continue
-        name = config.get("profile", {}).get("name")
+        name = config["profile"].get("name")
         code.add(inputs.get("code") or "unknown")
         profile.setdefault(name, set()).add(inputs.get("profile") or "unknown")
         w = config.get("workload", {})
@@ -350,8 +350,7 @@ def repeated_seeds(table: pd.DataFrame) -> list[str]:
     for key, dirs in runs:
         if len(dirs) > 1:
             *series, rate, seed = key
-            where = _label(tuple(series), keys[:-2]) + (f", rate {rate:g}" if pd.notna(rate)
-                                                        else ", no rate")  # fmt: skip
+            where = _point(tuple(series), keys[:-2], rate)
             out.append(f"warning: {where}: seed {seed} is in {len(dirs)} runs "
                        f"({', '.join(sorted(dirs))}): counted once, as their mean")  # fmt: skip
     return out
@@ -371,12 +370,16 @@ def empty_classes(table: pd.DataFrame) -> list[str]:
         empty = rows.loc[rows["count"] == 0, "seed"].drop_duplicates()
         seeds = rows["seed"].nunique()
         if len(empty) and len(empty) < seeds:
-            where = _label(tuple(series), keys[:-1]) + (f", rate {rate:g}" if pd.notna(rate)
-                                                        else ", no rate")  # fmt: skip
+            where = _point(tuple(series), keys[:-1], rate)
             out.append(f"warning: {where}: no {cls} request in seed "
                        f"{', '.join(str(x) for x in sorted(empty))}: its {cls} figures are "
                        f"means over the other {seeds - len(empty)} seeds of {seeds}")  # fmt: skip
     return out
+
+
+def _point(series: tuple, cols: list[str], rate) -> str:
+    """``qllm, rate 2``: a point of the figures, as the warnings name it."""
+    return _label(series, cols) + (f", rate {rate:g}" if pd.notna(rate) else ", no rate")
 
 
 def _label(series: tuple, cols: list[str]) -> str:
