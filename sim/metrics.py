@@ -93,6 +93,24 @@ class GapStats:
         if len(self.buffer) >= self.exact_up_to:
             self._fold()
 
+    def add_many(self, gaps: np.ndarray, lengths: np.ndarray) -> None:
+        """``add`` of several requests' gaps at once: ``gaps`` (float32) holds them one
+        request after another, ``lengths`` how many each has; folded where one ``add`` at a
+        time would fold (after the request that fills the buffer), so the same statistics."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        start = pos = 0
+        while start < len(lengths):
+            ends = np.cumsum(lengths[start:])
+            room = self.exact_up_to - len(self.buffer)
+            stop = start + min(int(np.searchsorted(ends, room, side="left")), len(ends) - 1) + 1
+            take = int(ends[stop - start - 1])
+            self.buffer.frombytes(np.ascontiguousarray(gaps[pos : pos + take]).tobytes())
+            if self.lengths is not None:
+                self.lengths.frombytes(lengths[start:stop].tobytes())
+            pos, start = pos + take, stop
+            if len(self.buffer) >= self.exact_up_to:
+                self._fold()
+
     def reordered(self, order: np.ndarray) -> GapStats:
         """While every gap is kept: these gaps with the requests' in this order of their
         ``add`` calls (the exact mean and std are sums, whose rounding depends on the order);
@@ -229,6 +247,37 @@ class Records:
         self.replica.append(replica)
         if finished:
             self.gaps[r.cls].add(s.token_gaps_s)
+
+    def add_columns(self, ids: np.ndarray, ls: np.ndarray, source: np.ndarray,
+                    arrival_s: np.ndarray, prompt_tokens: np.ndarray,
+                    output_tokens: np.ndarray, first_token_s: np.ndarray,
+                    finish_s: np.ndarray, itl_max_s: np.ndarray, replica: np.ndarray,
+                    gaps: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:  # fmt: skip
+        """``add`` of finished requests given as columns (the compiled executor's), in the
+        order they finished: ``source`` indexes ``self.sources``' keys; no preemptions,
+        recomputes or swaps; ``gaps[cls]``: (the class's gaps one request after another,
+        their counts), as ``GapStats.add_many`` takes them."""
+
+        def put(a: array, values: np.ndarray) -> None:
+            a.frombytes(np.ascontiguousarray(values, dtype=a.typecode).tobytes())
+
+        n = len(ids)
+        put(self.id, ids)
+        put(self.ls, ls.astype(np.int8))
+        put(self.source, source)
+        put(self.arrival_s, arrival_s)
+        put(self.prompt_tokens, prompt_tokens)
+        put(self.output_tokens, output_tokens)
+        put(self.first_token_s, first_token_s)
+        put(self.finish_s, finish_s)
+        put(self.itl_max_s, np.where(output_tokens > 1, itl_max_s, math.nan))
+        zeros = np.zeros(n, dtype=np.int64)
+        for a in (self.preemptions, self.recomputes, self.swaps):
+            put(a, zeros)
+        put(self.replica, replica)
+        for cls, (values, lengths) in gaps.items():
+            if len(lengths):
+                self.gaps[cls].add_many(values, lengths)
 
     def gap_stats(self) -> dict[str, GapStats]:
         """The gaps of each class (in replica order, if asked: see ``__init__``)."""

@@ -153,15 +153,19 @@ class Verdict:
         return self.stop
 
     def finished(self, seq) -> None:
+        request = seq.request
+        self.finished_values(request.cls == LS, request.arrival_s, request.output_tokens,
+                             seq.first_token_s, seq.finish_s)  # fmt: skip
+
+    def finished_values(self, is_ls: bool, arrival_s: float, out: int, first: float,
+                        finish: float) -> None:  # fmt: skip
+        """``finished`` of a request given by its figures (the compiled executor's)."""
         if self.reason is not None:
             return
-        first, finish = seq.first_token_s, seq.finish_s
-        request = seq.request
-        cls = request.cls
-        ttft = first - request.arrival_s  # as requests.parquet's ttft_s
+        cls = LS if is_ls else BE
+        ttft = first - arrival_s  # as requests.parquet's ttft_s
         if self.ttft[cls] is not None or self.tpot[cls] is not None:
             ok = self.ttft[cls] is None or ttft <= self.ttft[cls]
-            out = request.output_tokens
             if ok and self.tpot[cls] is not None and out > 1:
                 ok = not (finish - first) / (out - 1) > self.tpot[cls]
             if not ok:
@@ -185,7 +189,8 @@ class Verdict:
 
     def _stop(self, reason: str) -> None:
         self.reason = reason
-        self.stop.succeed()
+        if self.stop is not None:  # the compiled executor reads the reason itself
+            self.stop.succeed()
 
 
 # the keys each run's overrides set (after the user's, which they would silently replace)

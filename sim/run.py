@@ -167,26 +167,41 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
         router = ROUTERS[router_name](n, cluster_cfg.ls_replicas if cluster_cfg else 1)
     except ValueError as e:
         raise UserError(f"cluster.router={router_name}: {e}") from None
-    env = simpy.Environment()
-    replicas = [Simulation([], build_scheduler(cfg, profile), build_latency(cfg, profile, i),
-                           mode=cfg.boundary_mode, record_trace=record_trace, env=env,
-                           fast_forward=getattr(cfg, "fast_forward", True),
-                           keep_sequences=keep_sequences)
-                for i in range(n)]  # fmt: skip
     records = Records(replica_order=True)  # exact ITL figures as from the sequences
+    scheds = [build_scheduler(cfg, profile) for _ in range(n)]
+    latencies = [build_latency(cfg, profile, i) for i in range(n)]
+    executor = getattr(cfg, "executor", "python")
+    if executor == "compiled":
+        from sim.compiled import CompiledCluster, unsupported
 
-    stop = watch.start(env) if watch is not None else None
-    seen = watch.finished if watch is not None else None
+        reason = unsupported(scheds, latencies)
+        if reason is None and (record_trace or keep_sequences):
+            reason = "a run that records a trace or keeps its sequences"
+        if reason is not None:
+            raise UserError(f"executor=compiled: does not run {reason}; executor=python does")
+        cluster = CompiledCluster(requests, scheds, latencies, router_name,
+                                  cluster_cfg.ls_replicas if cluster_cfg else 1, records,
+                                  ordered=ordered, on_finished=bar.update if bar else None,
+                                  watch=watch)  # fmt: skip
+    else:
+        env = simpy.Environment()
+        replicas = [Simulation([], sched, latency, mode=cfg.boundary_mode,
+                               record_trace=record_trace, env=env,
+                               fast_forward=getattr(cfg, "fast_forward", True),
+                               keep_sequences=keep_sequences)
+                    for sched, latency in zip(scheds, latencies, strict=True)]  # fmt: skip
+        stop = watch.start(env) if watch is not None else None
+        seen = watch.finished if watch is not None else None
 
-    def finished(seq, replica: int) -> None:
-        records.add(seq, replica)
-        if seen is not None:
-            seen(seq)
-        if bar:
-            bar.update()
+        def finished(seq, replica: int) -> None:
+            records.add(seq, replica)
+            if seen is not None:
+                seen(seq)
+            if bar:
+                bar.update()
 
-    cluster = Cluster(requests, replicas, router, env, on_finish=finished, ordered=ordered,
-                      stop=stop)  # fmt: skip
+        cluster = Cluster(requests, replicas, router, env, on_finish=finished, ordered=ordered,
+                          stop=stop)  # fmt: skip
     try:
         ran = cluster.run()
         result = ran.result
@@ -195,14 +210,15 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
     finally:
         if bar:
             bar.close()
-    beyond = list(dict.fromkeys(line for rep in replicas for line in rep.latency.extrapolations()))
+    beyond = list(dict.fromkeys(line for lat in latencies for line in lat.extrapolations()))
     if beyond and warn:
         print(extrapolation_warning(profile.name, beyond), file=sys.stderr)
     if cluster.stopped:
         raise RunStopped(watch.reason)
     df, summary = records_outputs(records, result.makespan_s, result.events, result.wall_s,
                                   cfg.slo, with_replica=True)  # fmt: skip
-    summary["executor"]["merges"] = sum(rep.sched.merges for rep in replicas)
+    summary["executor"]["merges"] = sum(sched.merges for sched in scheds)
+    summary["executor"]["kind"] = executor
     summary["cluster"] = {"replicas": n, "router": router_name,
                           "per_replica": replica_stats(ran)}  # fmt: skip
     return RunOutput(df, summary, result, ran.timeline, beyond)
