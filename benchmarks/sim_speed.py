@@ -64,6 +64,8 @@ def run_loop(cfg, requests, progress: bool = False) -> tuple[float, float, int]:
     builds it: finished requests folded into records, streamed requests when ``requests`` is
     a ``Workload``): CPU time says what one core does when the machine is shared."""
     profile = profiles.load(cfg.profile.name, cfg.profile.path)
+    if cfg.executor == "compiled":
+        return _run_compiled(cfg, profile, requests, progress)
     env, n = simpy.Environment(), cfg.cluster.replicas
     replicas = [Simulation([], build_scheduler(cfg, profile), build_latency(cfg, profile, i),
                            env=env, fast_forward=cfg.fast_forward, keep_sequences=False)
@@ -79,6 +81,26 @@ def run_loop(cfg, requests, progress: bool = False) -> tuple[float, float, int]:
     cluster = Cluster(requests, replicas, router, env, on_finish=finished,
                       ordered=isinstance(requests, Workload))  # fmt: skip
     wall, cpu = time.perf_counter(), time.process_time()
+    result = cluster.run().result
+    bar.close()
+    return time.perf_counter() - wall, time.process_time() - cpu, result.events
+
+
+def _run_compiled(cfg, profile, requests, progress: bool) -> tuple[float, float, int]:
+    """``run_loop`` with ``executor=compiled``: its setup (the requests as columns, the
+    loop's arrays) and loop (``CompiledCluster.run``), finished requests folded into records
+    as ``simulate`` does. The first run in a process also loads the compiled code (about a
+    second; some 40 s the first time on a machine, to compile it)."""
+    from sim.compiled import CompiledCluster
+
+    n = cfg.cluster.replicas
+    scheds = [build_scheduler(cfg, profile) for _ in range(n)]
+    latencies = [build_latency(cfg, profile, i) for i in range(n)]
+    bar = tqdm(total=len(requests), desc="simulating", unit="req", disable=not progress)
+    wall, cpu = time.perf_counter(), time.process_time()
+    cluster = CompiledCluster(requests, scheds, latencies, cfg.cluster.router,
+                              cfg.cluster.ls_replicas, Records(replica_order=True),
+                              ordered=isinstance(requests, Workload), on_finished=bar.update)  # fmt: skip
     result = cluster.run().result
     bar.close()
     return time.perf_counter() - wall, time.process_time() - cpu, result.events
@@ -124,15 +146,19 @@ def trace_speed(args) -> None:
             cfg = compose("config", overrides=[*base, f"policy={name}", *extra,
                                                f"workload.num_requests={rows}"])  # fmt: skip
             requests = build_workload(cfg.workload, seed=cfg.seed)
-            for fast_forward in (True, False):
+            compiled = args.executor == "compiled"
+            cfg.executor = args.executor
+            if compiled:
+                run_loop(cfg, requests)  # loads (or compiles) the loop's code, untimed
+            for fast_forward in (True,) if compiled else (True, False):
                 cfg.fast_forward = fast_forward
                 runs = [run_loop(cfg, requests) for _ in range(args.repeats)]
                 n = len(requests)
                 wall = sorted(n / r[0] for r in runs)
                 cpu = sorted(n / r[1] for r in runs)
                 print(f"trace={args.trace} requests={n} policy={policy} "
-                      f"memory={cfg.memory.model} "
-                      f"fast_forward={str(fast_forward).lower()} "
+                      f"memory={cfg.memory.model} executor={args.executor} "
+                      f"fast_forward={str(fast_forward).lower() if not compiled else 'n/a'} "
                       f"requests_per_cpu_s={statistics.median(cpu):.1f} "
                       f"spread={cpu[0]:.1f}-{cpu[-1]:.1f} "
                       f"requests_per_s={statistics.median(wall):.1f} "
@@ -140,6 +166,8 @@ def trace_speed(args) -> None:
                       f"events_per_request={runs[0][2] / n:.2f}", flush=True)  # fmt: skip
                 if fast_forward:
                     reached[policy] = statistics.median(cpu)
+            if compiled:
+                continue
             cfg.fast_forward = True
             loop_s, select_s, complete_s = scheduler_share(cfg, requests)
             us = 1e6 / len(requests)
@@ -158,14 +186,15 @@ def trace_speed(args) -> None:
                 f"workload.num_requests={args.cluster_requests}",
                 f"cluster.replicas={args.replicas}",
                 "cluster.router=least_outstanding",
-                f"fast_forward={args.cluster_fast_forward}"])  # fmt: skip
+                f"fast_forward={args.cluster_fast_forward}",
+                f"executor={args.executor}"])  # fmt: skip
             built = time.process_time()
             requests = stream_workload(cfg.workload, seed=cfg.seed)
             built_s = time.process_time() - built
             wall_s, cpu_s, _ = run_loop(cfg, requests, progress=True)
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f"cluster requests={len(requests)} replicas={args.replicas} "
-                  f"fast_forward={args.cluster_fast_forward} "
+                  f"executor={args.executor} fast_forward={args.cluster_fast_forward} "
                   f"rate={args.cluster_rate} policy={args.policies[0]} "
                   f"memory={cfg.memory.model} "
                   f"workload_cpu_s={built_s:.1f} loop_cpu_s={cpu_s:.1f} "
@@ -188,6 +217,12 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=16)
     ap.add_argument("--cluster-only", action="store_true", help="skip the one-replica runs")
     ap.add_argument("--cluster-fast-forward", choices=["true", "false"], default="true")
+    ap.add_argument(
+        "--executor",
+        choices=["python", "compiled"],
+        default="python",
+        help="--trace: the SimPy executor or the compiled loop (iteration only)",
+    )
     args = ap.parse_args()
     if args.trace:
         args.policies = args.policies or ["iteration", "qllm"]

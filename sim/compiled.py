@@ -35,6 +35,7 @@ from sim.metrics import Records
 from sim.workloads import Workload
 
 FLUSH_EVERY = 8192  # finished requests handed to Python at a time
+PICKS_AHEAD = 1 << 16  # routing picks drawn at a time
 
 
 def unsupported(scheds: list[Scheduler], latencies: list[LatencyModel]) -> str | None:
@@ -71,48 +72,60 @@ def _curves(lat: LatencyModel) -> list[Curve1D | Curve2D]:
     return [lat.overhead, lat.router, lat.lm_head, lat.attn_decode, prefill]
 
 
-def _pack(c: Curve1D | Curve2D, replicas: int) -> tuple:
-    rows = c.rows if isinstance(c, Curve2D) else [c]
-    batches = np.array(c.batches if isinstance(c, Curve2D) else [0], dtype=np.int64)
-    offs = np.cumsum([0] + [len(row.xs) for row in rows]).astype(np.int64)
-    xs = np.concatenate([np.asarray(row.xs, dtype=np.float64) for row in rows])
-    ys = np.concatenate([np.asarray(row.ys, dtype=np.float64) for row in rows])
-    slopes = np.array([row.slope for row in rows], dtype=np.float64)
-    beyond = np.full((replicas, len(rows) + 1), np.nan)
-    return batches, offs, xs, ys, slopes, beyond
+def _pack(curves: list[Curve1D | Curve2D], replicas: int) -> tuple:
+    """(CF, CV, BEY) of the curves, as ``sim.kernel`` lays them out."""
+    cf: list[float] = []
+    cv = [0] * K.CV_ROW0
+    rows = 0
+    for c, curve in enumerate(curves):
+        parts = curve.rows if isinstance(curve, Curve2D) else [curve]
+        keys = curve.batches if isinstance(curve, Curve2D) else [0]
+        cv[2 * c], cv[2 * c + 1] = rows, len(parts)
+        for key, row in zip(keys, parts, strict=True):
+            cv += [int(key), len(cf), len(row.xs)]
+            cf += [float(x) for x in row.xs] + [float(y) for y in row.ys] + [float(row.slope)]
+            rows += 1
+    cv[K.CV_ROWS] = rows
+    bey = np.full((replicas, rows + K.CURVES + 1), np.nan)
+    return np.array(cf), np.array(cv, dtype=np.int64), bey
 
 
-def _unpack_beyond(c: Curve1D | Curve2D, beyond: np.ndarray) -> None:
-    """Note in a replica's curve what the loop extrapolated on it."""
-    rows = c.rows if isinstance(c, Curve2D) else [c]
-    for row, x in zip(rows, beyond[: len(rows)].tolist(), strict=True):
-        if not math.isnan(x):
-            row._beyond(x)
-    if isinstance(c, Curve2D) and not math.isnan(beyond[-1]):
-        if c.beyond_batch is None or beyond[-1] > c.beyond_batch:
-            c.beyond_batch = float(beyond[-1])
+def _unpack_beyond(curves: list[Curve1D | Curve2D], cv: np.ndarray, bey: np.ndarray) -> None:
+    """Note in a replica's curves what the loop extrapolated on them (``bey``: its row)."""
+    rows = int(cv[K.CV_ROWS])
+    for c, curve in enumerate(curves):
+        parts = curve.rows if isinstance(curve, Curve2D) else [curve]
+        first = int(cv[2 * c])
+        for j, row in enumerate(parts):
+            if not math.isnan(bey[first + j]):
+                row._beyond(float(bey[first + j]))
+        x = bey[rows + c]
+        if isinstance(curve, Curve2D) and not math.isnan(x):
+            if curve.beyond_batch is None or x > curve.beyond_batch:
+                curve.beyond_batch = float(x)
 
 
 def _columns(requests: Iterable[Request] | Workload, ordered: bool):
     """(ids, arrival, prompt, output, is_ls, source codes, source names) in replay order."""
     if isinstance(requests, Workload):
         jobs = requests.jobs
-        names: dict[str, int] = {}
-        codes = np.fromiter((names.setdefault(s, len(names)) for s in jobs.source), np.int16,
-                            len(requests))  # fmt: skip
+        codes, names = pd.factorize(pd.Series(jobs.source, dtype=object))
         return (np.arange(len(requests), dtype=np.int64), np.asarray(requests.times, float),
                 jobs.prompt.astype(np.int64), jobs.output.astype(np.int64),
-                np.asarray(requests.is_ls, dtype=np.int64), codes, list(names))  # fmt: skip
+                np.asarray(requests.is_ls, dtype=np.int64), codes.astype(np.int16),
+                list(names))  # fmt: skip
     reqs = list(requests)
-    if not ordered:
-        reqs.sort(key=lambda r: (r.arrival_s, r.id))
     names = {}
     codes = np.array([names.setdefault(r.source, len(names)) for r in reqs], dtype=np.int16)
-    return (np.array([r.id for r in reqs], dtype=np.int64),
+    cols = (np.array([r.id for r in reqs], dtype=np.int64),
             np.array([r.arrival_s for r in reqs], dtype=np.float64),
             np.array([r.prompt_tokens for r in reqs], dtype=np.int64),
             np.array([r.output_tokens for r in reqs], dtype=np.int64),
-            np.array([r.cls == LS for r in reqs], dtype=np.int64), codes, list(names))  # fmt: skip
+            np.array([r.cls == LS for r in reqs], dtype=np.int64), codes)  # fmt: skip
+    if not ordered:  # Cluster's order: (arrival, id)
+        order = np.lexsort((cols[0], cols[1]))
+        cols = tuple(c[order] for c in cols)
+    return (*cols, list(names))
 
 
 class CompiledCluster:
@@ -165,43 +178,37 @@ class CompiledCluster:
         self.arena = np.zeros(2 * min(replicas * cap, gaps) + ci[K.C_ARENA_FREE] + 1,
                               dtype=np.float32)  # fmt: skip
         self.ci = ci
-        self.cf = np.array([policy.waiting_served_ratio], dtype=np.float64)
+        e = lat.expert
+        self.cf = np.zeros(K.CF_SIZE)
+        self.cf[K.CF_RATIO] = policy.waiting_served_ratio
+        self.cf[K.CF_GRID_X], self.cf[K.CF_GRID_Y] = float(e.xs[-1]), float(e.ys[-1])
+        self.cf[K.CF_SLOPE] = float(e.slope)
         self.g = np.zeros(K.G_SIZE, dtype=np.int64)
         self.g[K.G_PENDING] = -1
         self.gf = np.zeros(K.GF_SIZE, dtype=np.float64)
-        size = 2 * replicas + 4
-        self.heap = (np.zeros(size), np.zeros(size, np.int64), np.zeros(size, np.int64),
-                     np.zeros(size, np.int64), np.zeros(size, np.int64))  # fmt: skip
+        self.H = np.zeros((2 * replicas + 5, 5))  # events pending (two a replica), a spare row
         self.ri = np.zeros((replicas, K.R_SIZE), dtype=np.int64)
         self.ri[:, K.R_WAITING_TOKENS] = 1  # TGI's counter starts at 1
         self.rf = np.zeros((replicas, K.RF_SIZE), dtype=np.float64)
-        self.ready = np.zeros((replicas, width), dtype=np.int64)
-        self.batch = np.zeros((replicas, width), dtype=np.int64)
-        self.req = (self.arrival, self.prompt, self.output, self.is_ls)
-        # generated, first token, last token, finish, gap slice, largest gap
-        self.seqs = (np.zeros(n, np.int64), np.full(n, np.nan), np.full(n, np.nan),
-                     np.full(n, np.nan), np.zeros(n, np.int64),
-                     np.zeros(n, np.float32))  # fmt: skip
-        self.nxt = np.zeros(n, dtype=np.int64)
-        self.placed = np.zeros(n, dtype=np.int64)
+        self.lists = np.zeros((replicas, 2, width), dtype=np.int64)  # ready, batch
+        self.REQ = (
+            np.stack([self.prompt, self.output, self.is_ls], axis=1)
+            if n
+            else np.zeros((0, 3), dtype=np.int64)
+        )
+        self.SI = np.zeros((n, 4), dtype=np.int64)  # generated, gap slice, link, replica
+        self.SF = np.full((n, 4), np.nan)  # first token, last token, finish, largest gap
         self.fin = np.zeros(n, dtype=np.int64)
-        self.tl = (np.zeros(2 * n), np.zeros(2 * n, np.int64), np.zeros(2 * n, np.int64))
-        self.curves = tuple(_pack(c, replicas) for c in _curves(lat))
-        e = lat.expert
-        self.expert = (lat._expert_table, float(e.xs[-1]), float(e.ys[-1]), float(e.slope),
-                       np.full(replicas, np.nan))  # fmt: skip
+        self.TL = np.zeros((2 * n, 3))
+        self.CF, self.CV, self.BEY = _pack(_curves(lat), replicas)
+        self.EXP = lat._expert_table
         most_pooled = lat.routing.POOLED_MAX_TOKENS
         width_e = lat.routing.num_layers * lat.routing.num_experts
-        self.pools = (np.zeros((replicas, most_pooled + 1, lat.routing.pool_size, width_e),
-                               dtype=np.int8),
-                      np.zeros((replicas, most_pooled + 1), dtype=np.int64),
-                      np.zeros((replicas, most_pooled + 1, lat.routing.pool_size)),
-                      np.zeros((replicas, most_pooled + 1), dtype=np.int64))  # fmt: skip
-        self.picks = (
-            np.zeros((replicas, lat.routing.PICK_BLOCK), dtype=np.int64),
-            np.zeros(replicas, dtype=np.int64),
-            np.zeros(replicas, dtype=np.int64),
-        )
+        pool = lat.routing.pool_size
+        self.PC = np.zeros((replicas, most_pooled + 1, pool, width_e), dtype=np.int8)
+        self.PF = np.zeros((replicas, most_pooled + 1, 2), dtype=np.int64)  # routed, summed
+        self.PS = np.zeros((replicas, most_pooled + 1, pool))
+        self.PB = np.zeros((replicas, lat.routing.PICK_BLOCK), dtype=np.int64)
         for r in range(replicas):
             self._sync_pools(r)
             self._sync_picks(r)
@@ -209,32 +216,30 @@ class CompiledCluster:
     # -------------------------------------------------------------------- the routing draws
     def _sync_pools(self, r: int) -> None:
         """Copy the pools replica r's models have built since the last call."""
-        counts, routed, sums, summed = self.pools
         lat = self.latencies[r]
         for n, pool in enumerate(lat.routing._pools, start=1):
-            if not routed[r, n]:
-                counts[r, n] = pool.reshape(pool.shape[0], -1)
-                routed[r, n] = 1
+            if not self.PF[r, n, 0]:
+                self.PC[r, n] = pool.reshape(pool.shape[0], -1)
+                self.PF[r, n, 0] = 1
         for n, (_, times) in lat._pools.items():
-            if not summed[r, n]:
-                sums[r, n] = [float(t.sum()) for t in times]  # Plan.total_s's sum of each
-                summed[r, n] = 1
+            if not self.PF[r, n, 1]:
+                self.PS[r, n] = [float(t.sum()) for t in times]  # Plan.total_s's sum of each
+                self.PF[r, n, 1] = 1
 
     def _sync_picks(self, r: int) -> None:
         """Give the loop replica r's block of picks as its routing model holds it."""
-        block, filled, taken = self.picks
         routing = self.latencies[r].routing
         drawn = routing._picks_array
-        if len(drawn) > block.shape[1]:
-            block = np.zeros((block.shape[0], len(drawn)), dtype=np.int64)
-            block[:, : self.picks[0].shape[1]] = self.picks[0]
-            self.picks = (block, filled, taken)
-        block[r, : len(drawn)] = drawn
-        filled[r], taken[r] = len(drawn), routing._next
+        if len(drawn) > self.PB.shape[1]:
+            wider = np.zeros((self.PB.shape[0], len(drawn)), dtype=np.int64)
+            wider[:, : self.PB.shape[1]] = self.PB
+            self.PB = wider
+        self.PB[r, : len(drawn)] = drawn
+        self.ri[r, K.R_PICKS], self.ri[r, K.R_TAKEN] = len(drawn), routing._next
 
     def _hand_back(self, r: int) -> None:
         """Tell replica r's routing model how many of its picks the loop took."""
-        self.latencies[r].routing._next = int(self.picks[2][r])
+        self.latencies[r].routing._next = int(self.ri[r, K.R_TAKEN])
 
     # ------------------------------------------------------------------------------- outputs
     def _flush(self) -> None:
@@ -244,21 +249,21 @@ class CompiledCluster:
         g[K.G_FLUSHED] = g[K.G_FIN]
         if not len(which):
             return
-        gen, first, last, finish, off, itl = self.seqs
+        first, finish = self.SF[which, K.S_FIRST], self.SF[which, K.S_FIN]
         lengths = self.output - 1
         ls = self.is_ls[which].astype(bool)
         gaps = {}
         for cls, mine in ((LS, which[ls]), ("BE", which[~ls])):
-            gaps[cls] = (K.gather(self.arena, off, lengths, mine), lengths[mine])
+            gaps[cls] = (K.gather(self.arena, self.SI, lengths, mine), lengths[mine])
         self.records.add_columns(
             self.ids[which], ls, self.codes[which], self.arrival[which], self.prompt[which],
-            self.output[which], first[which], finish[which], itl[which].astype(np.float64),
-            self.placed[which], gaps)  # fmt: skip
+            self.output[which], first, finish, self.SF[which, K.S_ITL],
+            self.SI[which, K.S_PLACED], gaps)  # fmt: skip
         if self.watch is not None:
-            for i in which.tolist():
+            for k, i in enumerate(which.tolist()):
                 self.watch.finished_values(bool(self.is_ls[i]), float(self.arrival[i]),
-                                           int(self.output[i]), float(first[i]),
-                                           float(finish[i]))  # fmt: skip
+                                           int(self.output[i]), float(first[k]),
+                                           float(finish[k]))  # fmt: skip
                 if self.watch.reason is not None:
                     self.stopped = True
                     break
@@ -269,14 +274,14 @@ class CompiledCluster:
         wall = time.perf_counter()
         g, replicas = self.g, len(self.scheds)
         # SimPy's start: the arrival process, then each executor, at time 0 (urgent)
-        K.schedule(g, self.heap, 0.0, K.URGENT, K.EV_ARRIVAL_INIT, -1)
+        K.schedule(g, self.H, 0.0, K.URGENT, K.EV_ARRIVAL_INIT, -1)
         for r in range(replicas):
-            K.schedule(g, self.heap, 0.0, K.URGENT, K.EV_EXEC_INIT, r)
+            K.schedule(g, self.H, 0.0, K.URGENT, K.EV_EXEC_INIT, r)
         while True:
-            status = K.run(g, self.gf, self.ci, self.cf, self.heap, self.ri, self.rf,
-                           self.ready, self.batch, self.req, self.seqs, self.nxt, self.placed,
-                           self.arena, self.fin, self.tl, self.curves, self.expert,
-                           self.pools, self.picks)  # fmt: skip
+            status = K.run(g, self.gf, self.ci, self.cf, self.H, self.ri, self.rf, self.lists,
+                           self.arrival, self.REQ, self.SI, self.SF, self.arena, self.fin,
+                           self.TL, self.CF, self.CV, self.BEY, self.EXP, self.PC, self.PF,
+                           self.PS, self.PB)  # fmt: skip
             if status == K.DONE:
                 self._flush()
                 break
@@ -285,12 +290,13 @@ class CompiledCluster:
                 if self.stopped:
                     break
                 if len(self.arena) - g[K.G_TOP] < self.ci[K.C_ARENA_FREE]:
-                    K.compact(g, self.ci, self.ri, self.ready, self.batch, self.seqs, self.req,
-                              self.arena)  # fmt: skip
+                    K.compact(g, self.ci, self.ri, self.lists, self.REQ, self.SI, self.arena)
             elif status == K.NEED_PICKS:
                 r = int(g[K.G_PENDING])
                 self._hand_back(r)
-                self.latencies[r].routing._draw_picks(int(g[K.G_NEED]))
+                # a long block: numpy draws the same numbers in one call as in many, and
+                # each return to Python costs as much as thousands of iterations
+                self.latencies[r].routing._draw_picks(max(int(g[K.G_NEED]), PICKS_AHEAD))
                 self._sync_picks(r)
             elif status == K.NEED_EXPERTS:
                 r = int(g[K.G_PENDING])
@@ -331,10 +337,9 @@ class CompiledCluster:
         sched.iterations = int(self.ri[r, K.R_ITERS])
         sched.memory.used_tokens = int(self.ri[r, K.R_USED])
         sched.memory.peak_used_tokens = int(self.ri[r, K.R_PEAK])
-        for c, packed in zip(_curves(lat), self.curves, strict=True):
-            _unpack_beyond(c, packed[5][r])
-        if not math.isnan(self.expert[4][r]):
-            lat.expert._beyond(float(self.expert[4][r]))
+        _unpack_beyond(_curves(lat), self.CV, self.BEY[r])
+        if not math.isnan(self.BEY[r, -1]):
+            lat.expert._beyond(float(self.BEY[r, -1]))
 
     def _result(self, wall_s: float) -> ClusterResult:
         g, ri = self.g, self.ri
@@ -346,8 +351,8 @@ class CompiledCluster:
                            preemptions=0,
                            peak_kv_used_tokens=int(ri[:, K.R_PEAK].max()))  # fmt: skip
         rows = int(g[K.G_TL])
-        timeline = pd.DataFrame({"t_s": self.tl[0][:rows].copy(),
-                                 "replica": self.tl[1][:rows].copy(),
-                                 "in_system": self.tl[2][:rows].copy()})  # fmt: skip
-        return ClusterResult(result, self.ids[:n].copy(), self.placed[:n].copy(),
+        timeline = pd.DataFrame({"t_s": self.TL[:rows, 0].copy(),
+                                 "replica": self.TL[:rows, 1].astype(np.int64),
+                                 "in_system": self.TL[:rows, 2].astype(np.int64)})  # fmt: skip
+        return ClusterResult(result, self.ids[:n].copy(), self.SI[:n, K.S_PLACED].copy(),
                              self.rf[:, K.RF_BUSY].tolist(), timeline)  # fmt: skip

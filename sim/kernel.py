@@ -10,8 +10,9 @@ pool not built yet, a block of picks) is handed back to Python, which calls the 
 ``RoutingModel`` and ``LatencyModel`` methods the SimPy executor calls, and the loop goes on
 where it stopped.
 
-Everything here is a plain function of arrays; the state layout is in the ``G_``/``R_``
-constants below, shared with sim/compiled.py.
+Everything here is a plain function of a few arrays (the layout is in the constants below,
+shared with sim/compiled.py): a call between compiled functions costs some 8 ns per array
+it passes, so the state lives in a handful of 2-D arrays rather than many 1-D ones.
 """
 
 from __future__ import annotations
@@ -27,29 +28,28 @@ DONE, NEED_EXPERTS, NEED_PICKS, FLUSH, ERR_CAPACITY, ERR_BATCH_CAP, ERR_STALL = 
 # --- event kinds (heap), and SimPy's priorities
 EV_ARRIVAL_INIT, EV_EXEC_INIT, EV_ARRIVAL, EV_ITER, EV_WAKE = range(5)
 URGENT, NORMAL = 0, 1
+# heap rows H[k, ...]: time, priority, event id, kind, replica (all float64: ids are < 2**53)
+H_T, H_P, H_E, H_K, H_R = range(5)
 
 # --- global int state g[...]
 G_EID = 0  # SimPy's event counter
 G_NEXT = 1  # the next request the arrival process admits
 G_ARRIVALS_DONE = 2
 G_HEAP = 3  # events in the heap
-G_UNUSED = 4
-G_FIN = 5  # finished requests (fin[]) so far
-G_TL = 6  # timeline rows so far
-G_ARG = 7  # a request index or a token count, for the status returned
-G_ARR_EVENTS = 8  # timeouts the arrival process waited
-G_PENDING = 9  # replica whose selected batch waits for its plan (-1: none)
-G_PENDING_MODE = 10  # 1: Python computed its experts (gf[GF_SUM]); 2: retry in the loop
-G_RR = 11  # round robin's next replica
-G_TOP = 12  # the gap arena's first free slot
-G_FLUSHED = 13  # fin[] up to here was handed to Python
-G_NEED = 14  # picks needed (NEED_PICKS)
-G_SIZE = 15
+G_FIN = 4  # finished requests (fin[]) so far
+G_TL = 5  # timeline rows so far
+G_ARG = 6  # a request index or a token count, for the status returned
+G_ARR_EVENTS = 7  # timeouts the arrival process waited
+G_PENDING = 8  # replica whose selected batch waits for its plan (-1: none)
+G_PENDING_MODE = 9  # 1: Python computed its experts (gf[GF_SUM]); 2: retry in the loop
+G_RR = 10  # round robin's next replica
+G_TOP = 11  # the gap arena's first free slot
+G_FLUSHED = 12  # fin[] up to here was handed to Python
+G_NEED = 13  # picks needed (NEED_PICKS)
+G_SIZE = 14
 
 # --- global float state gf[...]
-GF_NOW = 0
-GF_MAKESPAN = 1
-GF_SUM = 2  # experts' summed stage time computed by Python (NEED_EXPERTS)
+GF_NOW, GF_MAKESPAN, GF_SUM = 0, 1, 2  # GF_SUM: the experts' time Python computed
 GF_SIZE = 3
 
 # --- per-replica int state ri[r, ...]
@@ -59,80 +59,93 @@ R_W_HEAD, R_W_TAIL, R_W_N, R_W_LS, R_W_RESERVED = 2, 3, 4, 5, 6  # the waiting F
 R_WAITING_TOKENS, R_DECODE_NEXT = 7, 8  # TGI's counter; a join was just prefilled
 R_USED, R_PEAK, R_IN_SYS, R_ITERS, R_EVENTS = 9, 10, 11, 12, 13
 R_N_READY, R_READY_LS, R_N_BATCH = 14, 15, 16
-R_SIZE = 17
+R_PICKS, R_TAKEN = 17, 18  # picks in its block (PB[r]); picks taken of them
+R_SIZE = 19
 ST_NEW, ST_RUNNING, ST_WAITING, ST_WAKING, ST_DONE = range(5)
+READY, BATCH = 0, 1  # lists[r, READY], lists[r, BATCH]
 
 # --- per-replica float state rf[r, ...]
 RF_START, RF_BUSY = 0, 1
 RF_SIZE = 2
+
+# --- requests: REQ[i, ...] (int), SI[i, ...] (int state), SF[i, ...] (float state)
+Q_PROMPT, Q_OUT, Q_LS = 0, 1, 2
+S_GEN, S_OFF, S_NXT, S_PLACED = 0, 1, 2, 3  # tokens generated; gap slice; FIFO link; replica
+S_FIRST, S_LAST, S_FIN, S_ITL = 0, 1, 2, 3  # first, last token, finish; largest gap (float32)
 
 # --- config ci[...], cf[...]
 C_REPLICAS, C_ROUTER, C_LS_REPLICAS, C_MAX_BATCH, C_MAX_PREFILL = 0, 1, 2, 3, 4
 C_MAX_WAITING, C_MAX_TOTAL, C_CAPACITY, C_LAYERS, C_POOL, C_POOLED_MAX = 5, 6, 7, 8, 9, 10
 C_PER_PROMPT, C_FLUSH_EVERY, C_ARENA_FREE = 11, 12, 13
 C_SIZE = 14
-CF_RATIO = 0
-CF_SIZE = 1
+CF_RATIO, CF_GRID_X, CF_GRID_Y, CF_SLOPE = 0, 1, 2, 3  # the expert curve's end and slope
+CF_SIZE = 4
 ROUTER_CODES = {"round_robin": 0, "least_outstanding": 1, "least_kv": 2, "ls_dedicated": 3,
                 "ls_first": 4}  # fmt: skip
 NO_CAP = 1 << 62  # a limit that is null (no cap)
 
-
-# ------------------------------------------------------------------------------------ curves
-# A curve is (batches, offs, xs, ys, slopes, beyond): row j is the Curve1D of points
-# xs[offs[j]:offs[j + 1]] at row key batches[j]; a Curve1D is a curve of one row. beyond[r, j]
-# is the largest input row j extrapolated on replica r (NaN: none); beyond[r, len(batches)]
-# the largest row key beyond the last row (Curve2D.beyond_batch).
+# --- curves. CV[c * 2], CV[c * 2 + 1]: curve c's first row and rows; CV[CV_ROWS]: rows in
+# all; row j: CV[CV_ROW0 + 3 j + (0, 1, 2)] = its row key (Curve2D's batch size), where its
+# points start in CF, how many: CF holds the xs, then the ys, then the slope. A Curve1D is a
+# curve of one row. BEY[r, j]: the largest input row j extrapolated on replica r (NaN: none);
+# BEY[r, CV[CV_ROWS] + c]: curve c's largest row key beyond its last row; BEY[r, CV[CV_ROWS] +
+# CURVES]: the expert curve's largest count beyond its grid.
+OVERHEAD, ROUTER, LM_HEAD, ATTN_DECODE, ATTN_PREFILL = range(5)
+CURVES = 5
+CV_ROWS = 2 * CURVES
+CV_ROW0 = CV_ROWS + 1
 
 
 @njit(cache=True)
-def _row(xs, ys, slopes, beyond, lo, hi, j, x):
-    """Curve1D.scalar of row j at x, with its operations in its order (``beyond``: this
-    replica's row of the curve's extrapolation maxima)."""
-    last = xs[hi - 1]
+def _row(CF, BEY, r, j, lo, n, x):
+    """Curve1D.scalar of row j (n points from CF[lo]) at x, with its operations in its
+    order, on replica r."""
+    last = CF[lo + n - 1]
     if x >= last:
-        y = ys[hi - 1] + slopes[j] * (x - last)
-        if x > last and (math.isnan(beyond[j]) or x > beyond[j]):
-            beyond[j] = x
+        y = CF[lo + 2 * n - 1] + CF[lo + 2 * n] * (x - last)
+        if x > last and (math.isnan(BEY[r, j]) or x > BEY[r, j]):
+            BEY[r, j] = x
         return y
-    if x <= xs[lo]:
-        return ys[lo]
-    a, b = lo, hi  # bisect_right(xs[lo:hi], x) - 1
+    if x <= CF[lo]:
+        return CF[lo + n]
+    a, b = lo, lo + n  # bisect_right(xs, x) - 1
     while a < b:
         mid = (a + b) // 2
-        if x < xs[mid]:
+        if x < CF[mid]:
             b = mid
         else:
             a = mid + 1
     i = a - 1
-    return ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+    y0 = CF[i + n]
+    return y0 + (CF[i + n + 1] - y0) * (x - CF[i]) / (CF[i + 1] - CF[i])
 
 
 @njit(cache=True)
-def curve(c, r, b, x):
-    """Curve2D.__call__(b, x) on replica r's model (a Curve1D's scalar(x) when the curve has
-    one row)."""
-    batches, offs, xs, ys, slopes, beyond_all = c
-    beyond = beyond_all[r]
-    n = len(batches)
+def curve(CF, CV, BEY, c, r, b, x):
+    """Curve c's Curve2D.__call__(b, x) on replica r (a Curve1D's scalar(x) when it has one
+    row)."""
+    first, n = CV[2 * c], CV[2 * c + 1]
     if n == 1:
-        return _row(xs, ys, slopes, beyond, offs[0], offs[1], 0, x)
-    a, hi = 0, n  # bisect_right(batches, b) - 1, clamped to [0, n - 2]
+        k = CV_ROW0 + 3 * first
+        return _row(CF, BEY, r, first, CV[k + 1], CV[k + 2], x)
+    a, hi = 0, n  # bisect_right(row keys, b) - 1, clamped to [0, n - 2]
     while a < hi:
         mid = (a + hi) // 2
-        if b < batches[mid]:
+        if b < CV[CV_ROW0 + 3 * (first + mid)]:
             hi = mid
         else:
             a = mid + 1
-    i = min(max(a - 1, 0), n - 2)
-    x0, x1 = batches[i], batches[i + 1]
-    y0 = _row(xs, ys, slopes, beyond, offs[i], offs[i + 1], i, x)
-    y1 = _row(xs, ys, slopes, beyond, offs[i + 1], offs[i + 2], i + 1, x)
+    i = first + min(max(a - 1, 0), n - 2)
+    k0, k1 = CV_ROW0 + 3 * i, CV_ROW0 + 3 * (i + 1)
+    x0, x1 = CV[k0], CV[k1]
+    y0 = _row(CF, BEY, r, i, CV[k0 + 1], CV[k0 + 2], x)
+    y1 = _row(CF, BEY, r, i + 1, CV[k1 + 1], CV[k1 + 2], x)
     if b <= x0:
         return y0
     if b >= x1:
-        if b > x1 and (math.isnan(beyond[n]) or beyond[n] < b):
-            beyond[n] = b
+        col = CV[CV_ROWS] + c
+        if b > x1 and (math.isnan(BEY[r, col]) or BEY[r, col] < b):
+            BEY[r, col] = b
         d = y1 - y0
         return y1 + (d if d >= 0.0 else 0.0) * (b - x1) / (x1 - x0)
     return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
@@ -168,12 +181,6 @@ def _leaf_sum(a, lo, n):
 
 
 @njit(cache=True)
-def _half(n):
-    h = n // 2
-    return h - h % 8
-
-
-@njit(cache=True)
 def pairwise_sum(a, lo, n):
     """numpy's float64 sum of a[lo:lo + n]: its pairwise summation (blocks of 128 split in
     halves, a multiple of 8 on the left), the same float. Iterative: numba's cache does not
@@ -192,7 +199,8 @@ def pairwise_sum(a, lo, n):
                 return v
             if not right[top]:
                 lefts[top], right[top], have = v, True, False
-                h = _half(ns[top])
+                h = ns[top] // 2
+                h -= h % 8
                 top += 1
                 los[top], ns[top], right[top] = los[top - 1] + h, ns[top - 1] - h, False
             else:
@@ -204,115 +212,78 @@ def pairwise_sum(a, lo, n):
             v, have = _leaf_sum(a, los[top], m), True
             top -= 1
             continue
+        h = m // 2
         top += 1
-        los[top], ns[top], right[top] = los[top - 1], _half(m), False
+        los[top], ns[top], right[top] = los[top - 1], h - h % 8, False
 
 
 # -------------------------------------------------------------------------------------- heap
 @njit(cache=True)
-def _less(ht, hp, he, i, j):
-    if ht[i] != ht[j]:
-        return ht[i] < ht[j]
-    if hp[i] != hp[j]:
-        return hp[i] < hp[j]
-    return he[i] < he[j]
-
-
-@njit(cache=True)
-def _swap(ht, hp, he, hk, hr, i, j):
-    ht[i], ht[j] = ht[j], ht[i]
-    hp[i], hp[j] = hp[j], hp[i]
-    he[i], he[j] = he[j], he[i]
-    hk[i], hk[j] = hk[j], hk[i]
-    hr[i], hr[j] = hr[j], hr[i]
-
-
-@njit(cache=True)
-def schedule(g, heap, t, prio, kind, r):
-    """SimPy's ``schedule``: the event gets the next id."""
-    ht, hp, he, hk, hr = heap
+def schedule(g, H, t, prio, kind, r):
+    """SimPy's ``schedule``: the event gets the next id; the heap orders by (time,
+    priority, id)."""
     n = g[G_HEAP]
-    ht[n], hp[n], he[n], hk[n], hr[n] = t, prio, g[G_EID], kind, r
-    g[G_EID] += 1
+    e = g[G_EID]
+    g[G_EID] = e + 1
     g[G_HEAP] = n + 1
-    while n > 0:
+    while n > 0:  # sift up: move parents below the new event down
         parent = (n - 1) // 2
-        if not _less(ht, hp, he, n, parent):
+        pt, pp = H[parent, H_T], H[parent, H_P]
+        if t > pt or (t == pt and (prio > pp or (prio == pp and e > H[parent, H_E]))):
             break
-        _swap(ht, hp, he, hk, hr, n, parent)
+        for col in range(5):
+            H[n, col] = H[parent, col]
         n = parent
+    H[n, H_T], H[n, H_P], H[n, H_E], H[n, H_K], H[n, H_R] = t, prio, e, kind, r
 
 
 @njit(cache=True)
-def _pop(g, heap):
-    ht, hp, he, hk, hr = heap
-    t, kind, r = ht[0], hk[0], hr[0]
+def _before(H, i, j):
+    ti, tj = H[i, H_T], H[j, H_T]
+    if ti != tj:
+        return ti < tj
+    if H[i, H_P] != H[j, H_P]:
+        return H[i, H_P] < H[j, H_P]
+    return H[i, H_E] < H[j, H_E]
+
+
+@njit(cache=True)
+def _pop(g, H):
+    """Remove the first event; it is left in row H.shape[0] - 1 (the heap never fills)."""
+    spare = H.shape[0] - 1
+    for col in range(5):
+        H[spare, col] = H[0, col]
     n = g[G_HEAP] - 1
     g[G_HEAP] = n
     if n > 0:
-        _swap(ht, hp, he, hk, hr, 0, n)
+        for col in range(5):
+            H[0, col] = H[n, col]
         i = 0
         while True:
             left, right, best = 2 * i + 1, 2 * i + 2, i
-            if left < n and _less(ht, hp, he, left, best):
+            if left < n and _before(H, left, best):
                 best = left
-            if right < n and _less(ht, hp, he, right, best):
+            if right < n and _before(H, right, best):
                 best = right
             if best == i:
                 break
-            _swap(ht, hp, he, hk, hr, i, best)
+            for col in range(5):
+                H[i, col], H[best, col] = H[best, col], H[i, col]
             i = best
-    return t, kind, r
-
-
-# ----------------------------------------------------------------------------------- router
-@njit(cache=True)
-def _route(g, ci, ri, req_ls, i):
-    n = ci[C_REPLICAS]
-    router = ci[C_ROUTER]
-    if router == 0:  # round_robin
-        r = g[G_RR]
-        g[G_RR] = (r + 1) % n
-        return r
-    if router == 2:  # least_kv: (used + waiting admissions) / capacity, ties to the lowest
-        best, key = 0, 0.0
-        for r in range(n):
-            k = (ri[r, R_USED] + ri[r, R_W_RESERVED]) / ci[C_CAPACITY]
-            if r == 0 or k < key:
-                best, key = r, k
-        return best
-    lo, hi = 0, n
-    if router == 3:  # ls_dedicated
-        if req_ls[i]:
-            hi = ci[C_LS_REPLICAS]
-        else:
-            lo = ci[C_LS_REPLICAS]
-    if router == 4 and req_ls[i]:  # ls_first, an LS request: (LS queued, in system)
-        best, q, k = 0, 0, 0
-        for r in range(n):
-            qr = ri[r, R_W_LS] + ri[r, R_READY_LS]
-            if r == 0 or qr < q or (qr == q and ri[r, R_IN_SYS] < k):
-                best, q, k = r, qr, ri[r, R_IN_SYS]
-        return best
-    best = lo  # fewest in system
-    for r in range(lo + 1, hi):
-        if ri[r, R_IN_SYS] < ri[best, R_IN_SYS]:
-            best = r
-    return best
 
 
 # -------------------------------------------------------------------------------- the loop
 @njit(cache=True)
-def run(g, gf, ci, cf, heap, ri, rf, ready, batch, req, seqs, nxt, placed, arena, fin, tl,
-        curves, expert, pools, picks):  # fmt: skip
+def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF, CV, BEY, EXP,
+        PC, PF, PS, PB):  # fmt: skip
     """Process events until the run ends (DONE), an error, or Python is needed (a pool, a
     block of picks, or a flush of finished requests: FLUSH); call again to go on."""
-    req_t, req_prompt, req_out, req_ls = req
+    spare = H.shape[0] - 1
     while True:
         if g[G_PENDING] >= 0:  # a batch selected before we returned waits for its plan
             r = g[G_PENDING]
-            status = _plan(g, gf, ci, ri, rf, batch, req, seqs, heap, curves, expert, pools,
-                           picks, r, g[G_PENDING_MODE] == 1)  # fmt: skip
+            status = _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, EXP, PC, PF,
+                           PS, PB, r, g[G_PENDING_MODE] == 1)  # fmt: skip
             if status != DONE:
                 return status
             g[G_PENDING] = -1
@@ -320,35 +291,51 @@ def run(g, gf, ci, cf, heap, ri, rf, ready, batch, req, seqs, nxt, placed, arena
             return FLUSH
         if g[G_HEAP] == 0:
             return DONE
-        t, kind, r = _pop(g, heap)
+        _pop(g, H)
+        t, kind, r = H[spare, H_T], int(H[spare, H_K]), int(H[spare, H_R])
         gf[GF_NOW] = t
         if kind == EV_ARRIVAL_INIT or kind == EV_ARRIVAL:
-            status = _arrivals(g, gf, ci, heap, ri, req, nxt, placed, tl, kind == EV_ARRIVAL)
+            status = _arrivals(g, gf, ci, H, ri, req_t, REQ, SI, TL, kind == EV_ARRIVAL)
             if status != DONE:
                 return status
             continue
         if kind == EV_ITER:
             ri[r, R_EVENTS] += 1
             rf[r, RF_BUSY] += t - rf[r, RF_START]
-            _complete(g, ri, ready, batch, req, seqs, arena, fin, tl, t, r)
+            _complete(g, ri, lists, REQ, SI, SF, arena, fin, TL, t, r)
         elif kind == EV_WAKE:
             ri[r, R_EVENTS] += 1
-        status = _executor(g, gf, ci, cf, heap, ri, rf, ready, batch, req, seqs, nxt, arena,
-                           curves, expert, pools, picks, r)  # fmt: skip
+        # the executor's step: select the next batch and plan it, or wait
+        status = _select(g, ci, cf, ri, lists, REQ, SI, r)
         if status != DONE:
+            return status
+        if ri[r, R_PHASE] == 0:  # nothing to run
+            if g[G_ARRIVALS_DONE]:
+                if ri[r, R_IN_SYS]:
+                    g[G_ARG] = r
+                    return ERR_STALL
+                ri[r, R_STATE] = ST_DONE
+                gf[GF_MAKESPAN] = t
+            else:
+                ri[r, R_STATE] = ST_WAITING
+            continue
+        ri[r, R_STATE] = ST_RUNNING
+        status = _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, EXP, PC, PF, PS,
+                       PB, r, False)  # fmt: skip
+        if status != DONE:
+            g[G_PENDING] = r
             return status
 
 
 @njit(cache=True)
-def _arrivals(g, gf, ci, heap, ri, req, nxt, placed, tl, waited):
+def _arrivals(g, gf, ci, H, ri, req_t, REQ, SI, TL, waited):
     """The arrival process's step: admit the request it waited for, and those after it due
     now, then wait for the next (``sim.engine.replay``); after the last, close arrivals."""
-    req_t = req[0]
     now = gf[GF_NOW]
     n = len(req_t)
     if waited:
         g[G_ARR_EVENTS] += 1
-        status = _admit(g, ci, heap, ri, req, nxt, placed, tl, now, g[G_NEXT])
+        status = _admit(g, ci, H, ri, REQ, SI, TL, now, g[G_NEXT])
         if status != DONE:
             return status
         g[G_NEXT] += 1
@@ -356,101 +343,139 @@ def _arrivals(g, gf, ci, heap, ri, req, nxt, placed, tl, waited):
         i = g[G_NEXT]
         delay = req_t[i] - now
         if delay > 0:
-            schedule(g, heap, now + delay, NORMAL, EV_ARRIVAL, -1)
+            schedule(g, H, now + delay, NORMAL, EV_ARRIVAL, -1)
             return DONE
-        status = _admit(g, ci, heap, ri, req, nxt, placed, tl, now, i)
+        status = _admit(g, ci, H, ri, REQ, SI, TL, now, i)
         if status != DONE:
             return status
         g[G_NEXT] += 1
     g[G_ARRIVALS_DONE] = 1
     for r in range(ci[C_REPLICAS]):
         if ri[r, R_STATE] == ST_WAITING:
-            schedule(g, heap, now, NORMAL, EV_WAKE, r)
+            schedule(g, H, now, NORMAL, EV_WAKE, r)
             ri[r, R_STATE] = ST_WAKING
     return DONE
 
 
 @njit(cache=True)
-def _admit(g, ci, heap, ri, req, nxt, placed, tl, now, i):
+def _admit(g, ci, H, ri, REQ, SI, TL, now, i):
     """Cluster._place: the router's choice, Scheduler.arrive, the wake-up, the timeline."""
-    req_t, req_prompt, req_out, req_ls = req
-    r = _route(g, ci, ri, req_ls, i)
-    placed[i] = r
-    reserved = req_prompt[i] + req_out[i]
+    n, router = ci[C_REPLICAS], ci[C_ROUTER]
+    ls = REQ[i, Q_LS]
+    if router == 0:  # round_robin
+        r = g[G_RR]
+        g[G_RR] = (r + 1) % n
+    elif router == 2:  # least_kv: (used + waiting admissions) / capacity, ties to the lowest
+        r, key = 0, 0.0
+        for j in range(n):
+            k = (ri[j, R_USED] + ri[j, R_W_RESERVED]) / ci[C_CAPACITY]
+            if j == 0 or k < key:
+                r, key = j, k
+    elif router == 4 and ls:  # ls_first, an LS request: (LS queued, in system)
+        r, q, k = 0, 0, 0
+        for j in range(n):
+            qj = ri[j, R_W_LS] + ri[j, R_READY_LS]
+            if j == 0 or qj < q or (qj == q and ri[j, R_IN_SYS] < k):
+                r, q, k = j, qj, ri[j, R_IN_SYS]
+    else:  # fewest in system (least_outstanding, ls_dedicated within its group, ls_first BE)
+        lo, hi = 0, n
+        if router == 3:
+            if ls:
+                hi = ci[C_LS_REPLICAS]
+            else:
+                lo = ci[C_LS_REPLICAS]
+        r = lo
+        for j in range(lo + 1, hi):
+            if ri[j, R_IN_SYS] < ri[r, R_IN_SYS]:
+                r = j
+    SI[i, S_PLACED] = r
+    reserved = REQ[i, Q_PROMPT] + REQ[i, Q_OUT]
     if reserved > ci[C_CAPACITY]:
         g[G_ARG] = i
         return ERR_CAPACITY
-    nxt[i] = -1
+    SI[i, S_NXT] = -1
     if ri[r, R_W_N] == 0:
         ri[r, R_W_HEAD] = i
     else:
-        nxt[ri[r, R_W_TAIL]] = i
+        SI[ri[r, R_W_TAIL], S_NXT] = i
     ri[r, R_W_TAIL] = i
     ri[r, R_W_N] += 1
-    ri[r, R_W_LS] += req_ls[i]
+    ri[r, R_W_LS] += ls
     ri[r, R_W_RESERVED] += reserved
     ri[r, R_IN_SYS] += 1
     if ri[r, R_STATE] == ST_WAITING:
-        schedule(g, heap, now, NORMAL, EV_WAKE, r)
+        schedule(g, H, now, NORMAL, EV_WAKE, r)
         ri[r, R_STATE] = ST_WAKING
-    _note(g, ri, tl, now, r)
+    k = g[G_TL]
+    TL[k, 0], TL[k, 1], TL[k, 2] = now, r, ri[r, R_IN_SYS]
+    g[G_TL] = k + 1
     return DONE
 
 
 @njit(cache=True)
-def _note(g, ri, tl, now, r):
-    tl_t, tl_r, tl_n = tl
-    k = g[G_TL]
-    tl_t[k], tl_r[k], tl_n[k] = now, r, ri[r, R_IN_SYS]
-    g[G_TL] = k + 1
-
-
-@njit(cache=True)
-def _executor(g, gf, ci, cf, heap, ri, rf, ready, batch, req, seqs, nxt, arena, curves, expert,
-              pools, picks, r):  # fmt: skip
-    """The executor's step after an iteration or a wake-up: select the next batch and plan
-    it, or wait (for an arrival, or for good once arrivals are closed)."""
-    status = _select(g, ci, cf, ri, ready, batch, req, seqs, nxt, arena, r)
-    if status == ERR_BATCH_CAP:
-        return status
-    if ri[r, R_PHASE] == 0:  # nothing to run
-        if g[G_ARRIVALS_DONE]:
-            if ri[r, R_IN_SYS]:
-                g[G_ARG] = r
-                return ERR_STALL
-            ri[r, R_STATE] = ST_DONE
-            gf[GF_MAKESPAN] = gf[GF_NOW]
-        else:
-            ri[r, R_STATE] = ST_WAITING
-        return DONE
-    ri[r, R_STATE] = ST_RUNNING
-    g[G_PENDING] = r
-    status = _plan(g, gf, ci, ri, rf, batch, req, seqs, heap, curves, expert, pools, picks, r,
-                   False)  # fmt: skip
-    if status == DONE:
-        g[G_PENDING] = -1
-    return status
-
-
-@njit(cache=True)
-def _select(g, ci, cf, ri, ready, batch, req, seqs, nxt, arena, r):
-    """IterationFCFS.select under reserve memory: a join (a prefill of the head of the
-    waiting FIFO) when TGI's rules allow one, else a decode of every running sequence."""
-    req_t, req_prompt, req_out, req_ls = req
+def _select(g, ci, cf, ri, lists, REQ, SI, r):
+    """IterationFCFS.select under reserve memory: a join (TGI's queue.next_batch: a prefill
+    of the head of the waiting FIFO) when its rules allow one, else a decode of every
+    running sequence. Sets R_PHASE (0: nothing to run)."""
     ri[r, R_PHASE] = 0
     n_ready = ri[r, R_N_READY]
     if ri[r, R_W_N] > 0 and not (n_ready > 0 and ri[r, R_DECODE_NEXT]):
-        status = _join(g, ci, cf, ri, ready, batch, req, seqs, nxt, arena, r)
-        if status != DONE:
-            return status
-        if ri[r, R_PHASE] == 1:
-            ri[r, R_DECODE_NEXT] = 1 if n_ready > 0 else 0
-            return DONE
+        room = ci[C_MAX_BATCH] - n_ready
+        if room > 0:
+            if n_ready == 0 or ri[r, R_WAITING_TOKENS] >= ci[C_MAX_WAITING]:
+                min_size = 1
+            else:
+                min_size = max(1, int(math.floor(n_ready * cf[CF_RATIO])))
+            budget = ci[C_MAX_TOTAL]
+            if budget != NO_CAP:
+                for k in range(n_ready):
+                    q = lists[r, READY, k]
+                    budget -= REQ[q, Q_PROMPT] + REQ[q, Q_OUT]
+            free = ci[C_CAPACITY] - ri[r, R_USED]
+            taken, tokens, reserved = 0, 0, 0
+            i = ri[r, R_W_HEAD]
+            for _ in range(ri[r, R_W_N]):  # take_prefill's dry run
+                if taken >= room:
+                    break
+                n = REQ[i, Q_PROMPT]
+                if tokens + n > ci[C_MAX_PREFILL] and taken > 0:
+                    break
+                need = reserved + n + REQ[i, Q_OUT]
+                if need > budget or need > free:
+                    break
+                taken += 1
+                tokens += n
+                reserved = need
+                i = SI[i, S_NXT]
+            if n_ready == 0 and taken == 0:
+                head = ri[r, R_W_HEAD]
+                total = REQ[head, Q_PROMPT] + REQ[head, Q_OUT]
+                if ci[C_MAX_TOTAL] != NO_CAP and total > ci[C_MAX_TOTAL]:
+                    g[G_ARG] = head
+                    return ERR_BATCH_CAP
+            if taken >= min_size:  # take them, admit them: their reservation, gaps' room
+                for k in range(taken):
+                    i = ri[r, R_W_HEAD]
+                    ri[r, R_W_HEAD] = SI[i, S_NXT]
+                    ri[r, R_W_N] -= 1
+                    ri[r, R_W_LS] -= REQ[i, Q_LS]
+                    charge = REQ[i, Q_PROMPT] + REQ[i, Q_OUT]
+                    ri[r, R_W_RESERVED] -= charge
+                    ri[r, R_USED] += charge
+                    if ri[r, R_USED] > ri[r, R_PEAK]:
+                        ri[r, R_PEAK] = ri[r, R_USED]
+                    SI[i, S_OFF] = g[G_TOP]
+                    g[G_TOP] += REQ[i, Q_OUT] - 1
+                    lists[r, BATCH, k] = i
+                ri[r, R_N_BATCH] = taken
+                ri[r, R_PHASE] = 1
+                ri[r, R_DECODE_NEXT] = 1 if n_ready > 0 else 0
+                return DONE
     ri[r, R_DECODE_NEXT] = 0
     if n_ready == 0:
         return DONE
     for k in range(n_ready):  # the ready sequences are in arrival order
-        batch[r, k] = ready[r, k]
+        lists[r, BATCH, k] = lists[r, READY, k]
     ri[r, R_N_BATCH] = n_ready
     ri[r, R_N_READY] = 0
     ri[r, R_READY_LS] = 0
@@ -459,71 +484,9 @@ def _select(g, ci, cf, ri, ready, batch, req, seqs, nxt, arena, r):
 
 
 @njit(cache=True)
-def _join(g, ci, cf, ri, ready, batch, req, seqs, nxt, arena, r):
-    """IterationFCFS._join: TGI's queue.next_batch on the waiting FIFO."""
-    req_t, req_prompt, req_out, req_ls = req
-    n_ready = ri[r, R_N_READY]
-    room = ci[C_MAX_BATCH] - n_ready
-    if room <= 0:
-        return DONE
-    if n_ready == 0 or ri[r, R_WAITING_TOKENS] >= ci[C_MAX_WAITING]:
-        min_size = 1
-    else:
-        min_size = max(1, int(math.floor(n_ready * cf[CF_RATIO])))
-    budget = ci[C_MAX_TOTAL]
-    if budget != NO_CAP:
-        for k in range(n_ready):
-            q = ready[r, k]
-            budget -= req_prompt[q] + req_out[q]
-    free = ci[C_CAPACITY] - ri[r, R_USED]
-    taken, tokens, reserved = 0, 0, 0
-    i = ri[r, R_W_HEAD]
-    for _ in range(ri[r, R_W_N]):  # take_prefill's dry run
-        if taken >= room:
-            break
-        n = req_prompt[i]
-        if tokens + n > ci[C_MAX_PREFILL] and taken > 0:
-            break
-        need = reserved + req_prompt[i] + req_out[i]
-        if need > budget or need > free:
-            break
-        taken += 1
-        tokens += n
-        reserved = need
-        i = nxt[i]
-    if n_ready == 0 and taken == 0:
-        head = ri[r, R_W_HEAD]
-        if ci[C_MAX_TOTAL] != NO_CAP and req_prompt[head] + req_out[head] > ci[C_MAX_TOTAL]:
-            g[G_ARG] = head
-            return ERR_BATCH_CAP
-    if taken < min_size:
-        return DONE
-    gen, first_t, last_t, fin_t, off, itl_max = seqs
-    for k in range(taken):  # take them and admit them: their reservation, their gaps' room
-        i = ri[r, R_W_HEAD]
-        ri[r, R_W_HEAD] = nxt[i]
-        ri[r, R_W_N] -= 1
-        ri[r, R_W_LS] -= req_ls[i]
-        charge = req_prompt[i] + req_out[i]
-        ri[r, R_W_RESERVED] -= charge
-        ri[r, R_USED] += charge
-        if ri[r, R_USED] > ri[r, R_PEAK]:
-            ri[r, R_PEAK] = ri[r, R_USED]
-        off[i] = g[G_TOP]
-        g[G_TOP] += req_out[i] - 1
-        batch[r, k] = i
-    ri[r, R_N_BATCH] = taken
-    ri[r, R_PHASE] = 1
-    return DONE
-
-
-@njit(cache=True)
-def _plan(g, gf, ci, ri, rf, batch, req, seqs, heap, curves, expert, pools, picks, r, given):
+def _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, EXP, PC, PF, PS, PB, r, given):
     """LatencyModel.plan of replica r's batch and the timeout to its end (``given``: the
     experts' summed time is gf[GF_SUM], computed by Python)."""
-    req_t, req_prompt, req_out, req_ls = req
-    gen = seqs[0]
-    overhead, router, lm_head, attn_decode, attn_prefill = curves
     size = ri[r, R_N_BATCH]
     decode = ri[r, R_PHASE] == 2
     if decode:
@@ -531,132 +494,132 @@ def _plan(g, gf, ci, ri, rf, batch, req, seqs, heap, curves, expert, pools, pick
     else:
         tokens = 0
         for k in range(size):
-            tokens += req_prompt[batch[r, k]]
+            tokens += REQ[lists[r, BATCH, k], Q_PROMPT]
     if given:
         esum = gf[GF_SUM]
     else:
-        status, esum = _experts(g, ci, expert, pools, picks, r, tokens)
+        status, esum = _experts(g, ci, cf, ri, BEY, EXP, PC, PF, PS, PB, r, tokens)
         if status != DONE:
             g[G_PENDING_MODE] = 2
             return status
     if decode:
         kv = 0
         for k in range(size):
-            q = batch[r, k]
-            kv = max(kv, req_prompt[q] + gen[q])
-        attention = curve(attn_decode, r, size, kv - 1)
+            q = lists[r, BATCH, k]
+            kv = max(kv, REQ[q, Q_PROMPT] + SI[q, S_GEN])
+        attention = curve(CF, CV, BEY, ATTN_DECODE, r, size, kv - 1)
     elif ci[C_PER_PROMPT]:
         attention = 0.0
         for k in range(size):
-            attention += curve(attn_prefill, r, 0, req_prompt[batch[r, k]])
+            attention += curve(CF, CV, BEY, ATTN_PREFILL, r, 0,
+                               REQ[lists[r, BATCH, k], Q_PROMPT])  # fmt: skip
     else:
-        attention = curve(attn_prefill, r, size, tokens)
-    layers = ci[C_LAYERS] * (attention + curve(router, r, 0, tokens))
-    total = curve(overhead, r, 0, size) + (layers + esum) + curve(lm_head, r, 0, size)
+        attention = curve(CF, CV, BEY, ATTN_PREFILL, r, size, tokens)
+    layers = ci[C_LAYERS] * (attention + curve(CF, CV, BEY, ROUTER, r, 0, tokens))
+    overhead = curve(CF, CV, BEY, OVERHEAD, r, 0, size)
+    total = overhead + (layers + esum) + curve(CF, CV, BEY, LM_HEAD, r, 0, size)
     now = gf[GF_NOW]
     rf[r, RF_START] = now
-    schedule(g, heap, now + total, NORMAL, EV_ITER, r)
+    schedule(g, H, now + total, NORMAL, EV_ITER, r)
     return DONE
 
 
 @njit(cache=True)
-def _experts(g, ci, expert, pools, picks, r, tokens):
+def _experts(g, ci, cf, ri, BEY, EXP, PC, PF, PS, PB, r, tokens):
     """(status, the experts' summed stage time) of one iteration of ``tokens`` tokens on
     replica r, as LatencyModel.experts draws them: a pick of the pool of that many tokens,
     or q picks of the largest pool and one of the remainder's, summed
     (RoutingModel.summed). NEED_EXPERTS when a pool is not built yet (Python builds it, as
     the model does, and plans the experts), NEED_PICKS when the block of picks drawn ahead
     runs out (g[G_NEED]: how many are needed)."""
-    table, grid_x, grid_y, slope, beyond = expert
-    counts, routed, sums, summed_ok = pools
-    block, filled, taken = picks
     largest = ci[C_POOLED_MAX]
+    taken = ri[r, R_TAKEN]
     if tokens <= largest:
-        if not summed_ok[r, tokens]:
+        if not PF[r, tokens, 1]:
             g[G_ARG] = tokens
             return NEED_EXPERTS, 0.0
-        if taken[r] + 1 > filled[r]:
+        if taken + 1 > ri[r, R_PICKS]:
             g[G_NEED] = 1
             return NEED_PICKS, 0.0
-        p = block[r, taken[r]]
-        taken[r] += 1
-        return DONE, sums[r, tokens, p]
+        ri[r, R_TAKEN] = taken + 1
+        return DONE, PS[r, tokens, PB[r, taken]]
     q, rem = tokens // largest, tokens % largest
-    if not routed[r, largest] or (rem and not routed[r, rem]):
+    if not PF[r, largest, 0] or (rem and not PF[r, rem, 0]):
         g[G_ARG] = tokens
         return NEED_EXPERTS, 0.0
     need = q + (1 if rem else 0)
-    if taken[r] + need > filled[r]:
+    if taken + need > ri[r, R_PICKS]:
         g[G_NEED] = need
         return NEED_PICKS, 0.0
-    width = counts.shape[3]
+    width = PC.shape[3]
     c = np.zeros(width, dtype=np.int64)
     for j in range(q):
-        p = block[r, taken[r] + j]
+        p = PB[r, taken + j]
         for e in range(width):
-            c[e] += counts[r, largest, p, e]
-    taken[r] += q
+            c[e] += PC[r, largest, p, e]
     if rem:
-        p = block[r, taken[r]]
-        taken[r] += 1
+        p = PB[r, taken + q]
         for e in range(width):
-            c[e] += counts[r, rem, p, e]
+            c[e] += PC[r, rem, p, e]
+    ri[r, R_TAKEN] = taken + need
     times = np.empty(width)
-    last = len(table) - 1
+    last = len(EXP) - 1
+    col = BEY.shape[1] - 1
     for e in range(width):
         x = c[e]
         if x <= last:
-            times[e] = table[x]
+            times[e] = EXP[x]
         else:  # beyond the grid: Curve1D's linear extrapolation
-            times[e] = grid_y + slope * (x - grid_x)
-            if math.isnan(beyond[r]) or x > beyond[r]:
-                beyond[r] = x
+            times[e] = cf[CF_GRID_Y] + cf[CF_SLOPE] * (x - cf[CF_GRID_X])
+            if math.isnan(BEY[r, col]) or x > BEY[r, col]:
+                BEY[r, col] = x
     return DONE, pairwise_sum(times, 0, width)
 
 
 @njit(cache=True)
-def _complete(g, ri, ready, batch, req, seqs, arena, fin, tl, now, r):
+def _complete(g, ri, lists, REQ, SI, SF, arena, fin, TL, now, r):
     """Scheduler.complete_iteration and the policy's on_complete; the finished requests go
     to fin[] and the timeline, as the executor's on_finish calls after the iteration."""
-    req_t, req_prompt, req_out, req_ls = req
-    gen, first_t, last_t, fin_t, off, itl_max = seqs
     prefill = ri[r, R_PHASE] == 1
     finished = 0
     n_ready = ri[r, R_N_READY]
     for k in range(ri[r, R_N_BATCH]):
-        i = batch[r, k]
+        i = lists[r, BATCH, k]
         if prefill:
-            first_t[i] = now
-        before = gen[i]
-        gen[i] = before + 1
+            SF[i, S_FIRST] = now
+        before = SI[i, S_GEN]
+        SI[i, S_GEN] = before + 1
         if before:
-            gap = np.float32(now - last_t[i])
-            arena[off[i] + before - 1] = gap
-            if before == 1 or gap > itl_max[i]:
-                itl_max[i] = gap
-        last_t[i] = now
-        if before + 1 >= req_out[i]:
-            fin_t[i] = now
-            ri[r, R_USED] -= req_prompt[i] + req_out[i]
+            gap = np.float32(now - SF[i, S_LAST])
+            arena[SI[i, S_OFF] + before - 1] = gap
+            if before == 1 or gap > SF[i, S_ITL]:
+                SF[i, S_ITL] = gap
+        SF[i, S_LAST] = now
+        if before + 1 >= REQ[i, Q_OUT]:
+            SF[i, S_FIN] = now
+            ri[r, R_USED] -= REQ[i, Q_PROMPT] + REQ[i, Q_OUT]
             fin[g[G_FIN]] = i
             g[G_FIN] += 1
             ri[r, R_IN_SYS] -= 1
             finished += 1
         else:
-            ready[r, n_ready] = i
+            lists[r, READY, n_ready] = i
             n_ready += 1
-            ri[r, R_READY_LS] += req_ls[i]
+            ri[r, R_READY_LS] += REQ[i, Q_LS]
     ri[r, R_N_READY] = n_ready
     ri[r, R_N_BATCH] = 0
     ri[r, R_ITERS] += 1
     ri[r, R_WAITING_TOKENS] = 1 if prefill else ri[r, R_WAITING_TOKENS] + 1
     ri[r, R_PHASE] = 0
-    for _ in range(finished):
-        _note(g, ri, tl, now, r)
+    k = g[G_TL]
+    for _ in range(finished):  # on_finish's timeline rows, after the whole iteration
+        TL[k, 0], TL[k, 1], TL[k, 2] = now, r, ri[r, R_IN_SYS]
+        k += 1
+    g[G_TL] = k
 
 
 @njit(cache=True)
-def gather(arena, off, lengths, which):
+def gather(arena, SI, lengths, which):
     """The gaps of requests ``which`` (their arena slices), one after another."""
     total = 0
     for i in which:
@@ -665,17 +628,16 @@ def gather(arena, off, lengths, which):
     k = 0
     for i in which:
         n = lengths[i]
-        out[k : k + n] = arena[off[i] : off[i] + n]
+        o = SI[i, S_OFF]
+        out[k : k + n] = arena[o : o + n]
         k += n
     return out
 
 
 @njit(cache=True)
-def compact(g, ci, ri, ready, batch, seqs, req, arena):
+def compact(g, ci, ri, lists, REQ, SI, arena):
     """Move the gap slices of the requests in flight (ready or in a batch) to the arena's
     start, in their order there, and free the rest (finished requests were handed over)."""
-    off = seqs[4]
-    req_out = req[2]
     n = 0
     for r in range(ci[C_REPLICAS]):
         n += ri[r, R_N_READY] + ri[r, R_N_BATCH]
@@ -683,20 +645,21 @@ def compact(g, ci, ri, ready, batch, seqs, req, arena):
     k = 0
     for r in range(ci[C_REPLICAS]):
         for j in range(ri[r, R_N_READY]):
-            live[k] = ready[r, j]
+            live[k] = lists[r, READY, j]
             k += 1
         for j in range(ri[r, R_N_BATCH]):
-            live[k] = batch[r, j]
+            live[k] = lists[r, BATCH, j]
             k += 1
     starts = np.empty(n, dtype=np.int64)
     for j in range(n):
-        starts[j] = off[live[j]]
+        starts[j] = SI[live[j], S_OFF]
     top = 0
     for j in np.argsort(starts):
         i = live[j]
-        m = req_out[i] - 1
-        if off[i] != top:
-            arena[top : top + m] = arena[off[i] : off[i] + m].copy()
-            off[i] = top
+        m = REQ[i, Q_OUT] - 1
+        o = SI[i, S_OFF]
+        if o != top:
+            arena[top : top + m] = arena[o : o + m].copy()
+            SI[i, S_OFF] = top
         top += m
     g[G_TOP] = top
