@@ -100,7 +100,8 @@ def _run_compiled(cfg, profile, requests, progress: bool) -> tuple[float, float,
     wall, cpu = time.perf_counter(), time.process_time()
     cluster = CompiledCluster(requests, scheds, latencies, cfg.cluster.router,
                               cfg.cluster.ls_replicas, Records(replica_order=True),
-                              ordered=isinstance(requests, Workload), on_finished=bar.update)  # fmt: skip
+                              ordered=isinstance(requests, Workload),
+                              on_finished=bar.update)  # fmt: skip
     result = cluster.run().result
     bar.close()
     return time.perf_counter() - wall, time.process_time() - cpu, result.events
