@@ -1,0 +1,246 @@
+"""The compiled executor (``executor=compiled``: sim/kernel.py, sim/compiled.py) gives every
+request the SimPy executor's results, to the bit.
+
+Exact, not approximate: the loop replays SimPy's stepping (events ordered by time, priority
+and the order they were scheduled in), computes each iteration's time by the latency model's
+float operations in their order, and hands every routing draw back to the replica's own
+``RoutingModel``, so the two executors see the very same floats. Any difference is a bug.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import linear_profile
+from hydra import compose, initialize_config_dir
+
+from sim import compiled
+from sim.app import CONF_DIR
+from sim.config import UserError
+from sim.kernel import pairwise_sum
+from sim.metrics import GapStats
+from sim.run import RunStopped, simulate
+from sim.workloads import stream_workload
+
+TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "splitwise_conv.csv"
+CONV = ["workload=trace", f"workload.path={TRACE}", "profile=h200-mixtral-bf16",
+        "policy=iteration"]  # fmt: skip
+
+CASES = {
+    # the conversation trace at its own rate: one replica overloaded, long uncapped outputs
+    "conv": [*CONV, "workload.num_requests=500"],
+    "conv-tgi-0.3": [*CONV, "workload.num_requests=400", "policy=tgi-0.3"],
+    # TGI's token budget binds (joins refused for it) and no batch-size cap
+    "conv-token-budget": [*CONV, "workload.num_requests=400",
+                          "policy.max_batch_total_tokens=30000", "policy.max_batch_size=null"],
+    # a small KV cache: admissions wait for memory, and the gap arena is compacted
+    "conv-small-cache": [*CONV, "workload.num_requests=500",
+                         "profile.kv_capacity_tokens=40000"],
+    # short outputs, many arrivals per completion, the default (nf4) profile; zipf routing
+    "paper": ["workload=paper", "workload.num_requests=300", "workload.rate=6",
+              "policy=iteration"],
+    "paper-zipf": ["workload=paper", "workload.num_requests=200", "workload.rate=4",
+                   "policy=iteration", "profile.routing=zipf", "seed=3"],
+    # every router on three replicas (ls_first and ls_dedicated read the classes)
+    **{f"cluster-{router}": [*CONV, "workload.num_requests=600", "workload.rate=10",
+                             "cluster.replicas=3", f"cluster.router={router}"]
+       for router in ("round_robin", "least_outstanding", "least_kv", "ls_dedicated",
+                      "ls_first")},
+    # prefill attention one prompt at a time
+    "conv-per-prompt": [*CONV, "workload.num_requests=300",
+                        "profile.prefill_attention=per_prompt"],
+}  # fmt: skip
+
+
+def run(overrides, executor="compiled", **kwargs):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, f"executor={executor}"])
+    return simulate(cfg, warn=False, **kwargs)
+
+
+def without_kind(summary: dict) -> str:
+    out = json.loads(json.dumps(summary))
+    out["executor"].pop("kind")
+    out["executor"].pop("wall_s")
+    out["executor"].pop("events")  # stepping's count, not fast-forward's (compared below)
+    return json.dumps(out, sort_keys=True)
+
+
+def assert_same(fast, ref, stepping=None):
+    assert fast.requests.equals(ref.requests)  # ttft, tpot, itl_max, finish, replica, ...
+    assert without_kind(fast.summary) == without_kind(ref.summary)  # itl stats: every gap
+    assert fast.timeline.equals(ref.timeline)
+    for key in ("makespan_s", "iterations", "preemptions", "peak_kv_used_tokens"):
+        assert getattr(fast.result, key) == getattr(ref.result, key), key
+    assert fast.extrapolated == ref.extrapolated
+    if stepping is not None:  # the loop steps every iteration: stepping's events, one by one
+        assert fast.result.events == stepping.result.events
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_gives_every_request_the_simpy_executors_results(case):
+    overrides = CASES[case]
+    fast = run(overrides)
+    assert fast.summary["executor"]["kind"] == "compiled"
+    stepping = run([*overrides, "fast_forward=false"], "python")
+    assert_same(fast, run(overrides, "python"), stepping)
+    assert_same(fast, stepping)
+    assert fast.summary["completed"] == len(fast.requests) > 0
+
+
+def test_the_cases_cover_what_they_claim():
+    """The cases reach the paths they are there for (or their comparison proves nothing)."""
+    budget = run(CASES["conv-token-budget"])
+    assert budget.result.peak_kv_used_tokens <= 30000
+    small = run(CASES["conv-small-cache"])
+    assert small.result.peak_kv_used_tokens > 0.9 * 40000  # memory bound the admissions
+    per = run(CASES["cluster-ls_dedicated"]).requests
+    assert set(per.loc[per["cls"] == "LS", "replica"]) == {0}
+    assert set(per.loc[per["cls"] == "BE", "replica"]) == {1, 2}
+
+
+def test_flushes_and_compactions_in_the_middle_of_a_run(monkeypatch):
+    """Finished requests handed over many times, and the gap arena compacted, mid-run: the
+    same outputs as one hand-over at the end."""
+    overrides = CASES["conv-small-cache"]
+    calls = {"compact": 0, "_flush": 0}
+    compact, flush = compiled.K.compact, compiled.CompiledCluster._flush
+
+    def counted_compact(*args):
+        calls["compact"] += 1
+        return compact(*args)
+
+    def counted_flush(self):
+        calls["_flush"] += 1
+        return flush(self)
+
+    monkeypatch.setattr(compiled, "FLUSH_EVERY", 7)
+    monkeypatch.setattr(compiled.K, "compact", counted_compact)
+    monkeypatch.setattr(compiled.CompiledCluster, "_flush", counted_flush)
+    fast = run(overrides)
+    assert calls["compact"] >= 1 and calls["_flush"] > 500 / 7
+    assert_same(fast, run(overrides, "python"))
+
+
+def test_a_streamed_workload_and_a_list_give_the_same_run():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*CASES["conv"], "executor=compiled"])
+    workload = stream_workload(cfg.workload, seed=cfg.seed)
+    shuffled = [workload.request(i) for i in np.random.default_rng(0).permutation(len(workload))]
+    a = simulate(cfg, requests=workload, warn=False)
+    b = simulate(cfg, requests=shuffled, warn=False)  # sorted by (arrival, id) first
+    assert a.requests.equals(b.requests)
+    assert a.timeline.equals(b.timeline)
+
+
+def test_extrapolation_warnings_are_the_same(tmp_path):
+    """A profile whose grids end early (4,096 tokens): prompts and contexts of the trace go
+    beyond them, on both executors alike, warned of in the same lines."""
+    path = linear_profile().save(tmp_path / "small-grid")
+    overrides = [*CONV, "workload.num_requests=300", f"profile.path={path}",
+                 "cluster.replicas=2", "cluster.router=least_outstanding"]  # fmt: skip
+    fast, ref = run(overrides), run(overrides, "python")
+    assert fast.extrapolated  # the comparison is of something
+    assert_same(fast, ref)
+
+
+def test_a_request_that_cannot_fit_is_refused_alike():
+    for extra, key in (
+        (["profile.kv_capacity_tokens=3000"], "profile.kv_capacity_tokens"),
+        (["policy.max_batch_total_tokens=3000"], "policy.max_batch_total_tokens"),
+    ):
+        messages = []
+        for executor in ("compiled", "python"):
+            with pytest.raises(UserError, match=key) as e:
+                run([*CONV, "workload.num_requests=300", *extra], executor)
+            messages.append(str(e.value))
+        assert messages[0] == messages[1]  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides,what", [
+    (["policy=qllm"], "policy qllm"),
+    (["policy=vllm", "memory.model=paged"], "policy vllm"),
+    (["memory.model=paged"], "memory.model=paged"),
+])  # fmt: skip
+def test_what_it_does_not_run_is_refused_in_one_line(overrides, what):
+    with pytest.raises(UserError) as e:
+        run([*CONV, "workload.num_requests=20", *overrides])
+    message = str(e.value)
+    assert message.startswith("executor=compiled: does not run") and what in message
+    assert "executor=python" in message and "\n" not in message
+
+
+def test_a_run_that_keeps_its_sequences_is_refused():
+    with pytest.raises(UserError, match="keeps its sequences"):
+        run([*CONV, "workload.num_requests=20"], keep_sequences=True)
+
+
+def test_an_unknown_executor_is_refused():
+    with pytest.raises(UserError, match="executor=numba.*python or compiled"):
+        run([*CONV, "workload.num_requests=20"], "numba")
+
+
+def test_a_watched_run_stops_for_the_same_reason():
+    """qllm-plan's verdict stops a run once it is certain to miss its targets: the compiled
+    executor feeds it the same requests in the same order, so the same reason."""
+    from sim.plan import Targets, Verdict
+
+    reasons = []
+    for executor in ("compiled", "python"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=[*CASES["conv"], f"executor={executor}"])
+        workload = stream_workload(cfg.workload, seed=cfg.seed)
+        verdict = Verdict(Targets(3.0, 0.99, 0.95), cfg.slo, workload.times, workload.is_ls)
+        with pytest.raises(RunStopped) as e:
+            simulate(cfg, requests=workload, watch=verdict, warn=False)
+        reasons.append((str(e.value), verdict.missed, verdict.ls_late))
+    assert reasons[0] == reasons[1]
+
+
+def test_gap_stats_add_many_folds_where_add_folds():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(0, 9, 300)
+    lengths[::17] = 0
+    gaps = rng.random(int(lengths.sum())).astype(np.float32)
+    one, many = GapStats(exact_up_to=100), GapStats(exact_up_to=100)
+    start = 0
+    for n in lengths.tolist():
+        one.add(array("f", gaps[start : start + n].tobytes()))
+        start += n
+    for part in np.array_split(np.arange(len(lengths)), 7):  # several calls, as flushes are
+        lo = int(lengths[: part[0]].sum())
+        many.add_many(gaps[lo : lo + int(lengths[part].sum())], lengths[part])
+    assert one.stats() == many.stats()
+    assert one.count == many.count and np.array_equal(one.hist, many.hist)
+    exact_one, exact_many = GapStats(), GapStats()
+    exact_one.add(array("f", gaps.tobytes()))
+    exact_many.add_many(gaps, np.array([len(gaps)]))
+    assert exact_one.stats() == exact_many.stats()
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (8,), (129,), (32, 8), (16, 64), (61, 256)])
+def test_pairwise_sum_is_numpys_sum(shape):
+    rng = np.random.default_rng(sum(shape))
+    for scale in (1e-3, 1.0, 1e4):
+        a = rng.random(shape) * scale
+        assert pairwise_sum(a.ravel(), 0, a.size) == float(a.sum())
+
+
+def test_randomised_settings_match():
+    """A few random TGI settings, rates and seeds on two replicas."""
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        overrides = [*CONV, "workload.num_requests=250", "cluster.replicas=2",
+                     f"cluster.router={rng.choice(['round_robin', 'least_kv'])}",
+                     f"workload.rate={float(rng.uniform(2, 12)):.3f}",
+                     f"seed={int(rng.integers(100))}",
+                     f"policy.max_batch_size={int(rng.integers(4, 48))}",
+                     f"policy.max_waiting_tokens={int(rng.integers(1, 30))}",
+                     f"policy.waiting_served_ratio={float(rng.uniform(0, 2)):.3f}",
+                     f"policy.max_batch_prefill_tokens={int(rng.integers(2048, 8192))}",
+                     ]  # fmt: skip
+        assert_same(run(overrides), run(overrides, "python"))
