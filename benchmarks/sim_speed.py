@@ -64,7 +64,7 @@ def run_loop(cfg, requests, progress: bool = False) -> tuple[float, float, int]:
     builds it: finished requests folded into records, streamed requests when ``requests`` is
     a ``Workload``): CPU time says what one core does when the machine is shared."""
     profile = profiles.load(cfg.profile.name, cfg.profile.path)
-    if cfg.executor == "compiled":
+    if cfg.core == "compiled":
         return _run_compiled(cfg, profile, requests, progress)
     env, n = simpy.Environment(), cfg.cluster.replicas
     replicas = [Simulation([], build_scheduler(cfg, profile), build_latency(cfg, profile, i),
@@ -87,7 +87,7 @@ def run_loop(cfg, requests, progress: bool = False) -> tuple[float, float, int]:
 
 
 def _run_compiled(cfg, profile, requests, progress: bool) -> tuple[float, float, int]:
-    """``run_loop`` with ``executor=compiled``: its setup (the requests as columns, the
+    """``run_loop`` with ``core=compiled``: its setup (the requests as columns, the
     loop's arrays) and loop (``CompiledCluster.run``), finished requests folded into records
     as ``simulate`` does. The first run in a process also loads the compiled code (about a
     second; some 40 s the first time on a machine, to compile it)."""
@@ -147,8 +147,8 @@ def trace_speed(args) -> None:
             cfg = compose("config", overrides=[*base, f"policy={name}", *extra,
                                                f"workload.num_requests={rows}"])  # fmt: skip
             requests = build_workload(cfg.workload, seed=cfg.seed)
-            compiled = args.executor == "compiled"
-            cfg.executor = args.executor
+            compiled = args.core == "compiled"
+            cfg.core = args.core
             if compiled:
                 run_loop(cfg, requests)  # loads (or compiles) the loop's code, untimed
             for fast_forward in (True,) if compiled else (True, False):
@@ -158,7 +158,7 @@ def trace_speed(args) -> None:
                 wall = sorted(n / r[0] for r in runs)
                 cpu = sorted(n / r[1] for r in runs)
                 print(f"trace={args.trace} requests={n} policy={policy} "
-                      f"memory={cfg.memory.model} executor={args.executor} "
+                      f"memory={cfg.memory.model} core={args.core} "
                       f"fast_forward={str(fast_forward).lower() if not compiled else 'n/a'} "
                       f"requests_per_cpu_s={statistics.median(cpu):.1f} "
                       f"spread={cpu[0]:.1f}-{cpu[-1]:.1f} "
@@ -188,14 +188,14 @@ def trace_speed(args) -> None:
                 f"cluster.replicas={args.replicas}",
                 "cluster.router=least_outstanding",
                 f"fast_forward={args.cluster_fast_forward}",
-                f"executor={args.executor}"])  # fmt: skip
+                f"core={args.core}"])  # fmt: skip
             built = time.process_time()
             requests = stream_workload(cfg.workload, seed=cfg.seed)
             built_s = time.process_time() - built
             wall_s, cpu_s, _ = run_loop(cfg, requests, progress=True)
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f"cluster requests={len(requests)} replicas={args.replicas} "
-                  f"executor={args.executor} fast_forward={args.cluster_fast_forward} "
+                  f"core={args.core} fast_forward={args.cluster_fast_forward} "
                   f"rate={args.cluster_rate} policy={args.policies[0]} "
                   f"memory={cfg.memory.model} "
                   f"workload_cpu_s={built_s:.1f} loop_cpu_s={cpu_s:.1f} "
@@ -219,9 +219,9 @@ def main() -> None:
     ap.add_argument("--cluster-only", action="store_true", help="skip the one-replica runs")
     ap.add_argument("--cluster-fast-forward", choices=["true", "false"], default="true")
     ap.add_argument(
-        "--executor",
-        choices=["python", "compiled"],
-        default="python",
+        "--core",
+        choices=["simpy", "compiled"],
+        default="simpy",
         help="--trace: the SimPy executor or the compiled loop (iteration only)",
     )
     args = ap.parse_args()

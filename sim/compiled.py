@@ -1,4 +1,4 @@
-"""``executor=compiled``: the cluster's replicas run in a compiled loop (sim/kernel.py).
+"""``core=compiled``: the cluster's replicas run in a compiled loop (sim/kernel.py).
 
 The SimPy executor (sim/engine.py) runs any policy; this one runs the policies it knows,
 written again on typed arrays, and gives every request the same times and token gaps to the
@@ -7,7 +7,7 @@ faster. It covers, for now: policy ``iteration`` (TGI's router, any of its setti
 ``tgi-0.3``) under ``memory.model=reserve``, on any number of replicas behind any router,
 with a profile without ``wake_up``, ``attn_decode_bind``, measured prompts' routing or a
 split per-prompt prefill attention. Anything else is refused in one line that names what is
-not covered (``executor=python`` runs it).
+not covered (``core=simpy`` runs it).
 
 The latency model's random routing stays in Python: the loop hands back to the replica's own
 ``LatencyModel`` and ``RoutingModel`` whenever a pool of routing samples is to be built or a

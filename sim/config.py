@@ -130,9 +130,9 @@ class SimConfig:
     # runs of decode iterations that nothing can change advance in one event (sim/engine.py);
     # false: iteration by iteration (same per-request results, slower)
     fast_forward: bool = True
-    # python: the SimPy executor (every policy); compiled: the compiled loop (sim/kernel.py),
+    # simpy: the SimPy executor (every policy); compiled: the compiled loop (sim/kernel.py),
     # the same per-request results for the policies it covers, many times faster
-    executor: str = "python"
+    core: str = "simpy"
     # a progress bar on stderr; null: only for a run of 50,000 requests or more (minutes of
     # CPU) when stderr is a terminal
     progress: bool | None = None
@@ -317,8 +317,8 @@ def validate(cfg: Any) -> None:
         if c.router == "ls_dedicated":
             need(1 <= c.ls_replicas < c.replicas, "cluster.ls_replicas", c.ls_replicas,
                  "must be in [1, cluster.replicas - 1] for ls_dedicated")  # fmt: skip
-    executor = getattr(cfg, "executor", "python")
-    need(executor in ("python", "compiled"), "executor", executor, "must be python or compiled")
+    core = getattr(cfg, "core", "simpy")
+    need(core in ("simpy", "compiled"), "core", core, "must be simpy or compiled")
     need(
         cfg.boundary_mode in ("lookup", "step"),
         "boundary_mode",

@@ -1,4 +1,4 @@
-"""The compiled executor's loop (numba): ``executor=compiled`` (sim/compiled.py drives it).
+"""The compiled executor's loop (numba): ``core=compiled`` (sim/compiled.py drives it).
 
 It replays what the SimPy executor (sim/engine.py, stepping every iteration) and the cluster
 (sim/cluster.py) do for the policies it covers (``iteration``: TGI's router, under

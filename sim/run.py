@@ -170,15 +170,15 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
     records = Records(replica_order=True)  # exact ITL figures as from the sequences
     scheds = [build_scheduler(cfg, profile) for _ in range(n)]
     latencies = [build_latency(cfg, profile, i) for i in range(n)]
-    executor = getattr(cfg, "executor", "python")
-    if executor == "compiled":
+    core = getattr(cfg, "core", "simpy")
+    if core == "compiled":
         from sim.compiled import CompiledCluster, unsupported
 
         reason = unsupported(scheds, latencies)
         if reason is None and (record_trace or keep_sequences):
             reason = "a run that records a trace or keeps its sequences"
         if reason is not None:
-            raise UserError(f"executor=compiled: does not run {reason}; executor=python does")
+            raise UserError(f"core=compiled: does not run {reason}; core=simpy does")
         cluster = CompiledCluster(requests, scheds, latencies, router_name,
                                   cluster_cfg.ls_replicas if cluster_cfg else 1, records,
                                   ordered=ordered, on_finished=bar.update if bar else None,
@@ -218,7 +218,7 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
     df, summary = records_outputs(records, result.makespan_s, result.events, result.wall_s,
                                   cfg.slo, with_replica=True)  # fmt: skip
     summary["executor"]["merges"] = sum(sched.merges for sched in scheds)
-    summary["executor"]["kind"] = executor
+    summary["executor"]["core"] = core
     summary["cluster"] = {"replicas": n, "router": router_name,
                           "per_replica": replica_stats(ran)}  # fmt: skip
     return RunOutput(df, summary, result, ran.timeline, beyond)

@@ -1,4 +1,4 @@
-"""The compiled executor (``executor=compiled``: sim/kernel.py, sim/compiled.py) gives every
+"""The compiled executor (``core=compiled``: sim/kernel.py, sim/compiled.py) gives every
 request the SimPy executor's results, to the bit.
 
 Exact, not approximate: the loop replays SimPy's stepping (events ordered by time, priority
@@ -58,13 +58,13 @@ CASES = {
 
 def run(overrides, executor="compiled", **kwargs):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[*overrides, f"executor={executor}"])
+        cfg = compose("config", overrides=[*overrides, f"core={executor}"])
     return simulate(cfg, warn=False, **kwargs)
 
 
 def without_kind(summary: dict) -> str:
     out = json.loads(json.dumps(summary))
-    out["executor"].pop("kind")
+    out["executor"].pop("core")
     out["executor"].pop("wall_s")
     out["executor"].pop("events")  # stepping's count, not fast-forward's (compared below)
     return json.dumps(out, sort_keys=True)
@@ -85,9 +85,9 @@ def assert_same(fast, ref, stepping=None):
 def test_compiled_gives_every_request_the_simpy_executors_results(case):
     overrides = CASES[case]
     fast = run(overrides)
-    assert fast.summary["executor"]["kind"] == "compiled"
-    stepping = run([*overrides, "fast_forward=false"], "python")
-    assert_same(fast, run(overrides, "python"), stepping)
+    assert fast.summary["executor"]["core"] == "compiled"
+    stepping = run([*overrides, "fast_forward=false"], "simpy")
+    assert_same(fast, run(overrides, "simpy"), stepping)
     assert_same(fast, stepping)
     assert fast.summary["completed"] == len(fast.requests) > 0
 
@@ -123,12 +123,12 @@ def test_flushes_and_compactions_in_the_middle_of_a_run(monkeypatch):
     monkeypatch.setattr(compiled.CompiledCluster, "_flush", counted_flush)
     fast = run(overrides)
     assert calls["compact"] >= 1 and calls["_flush"] > 500 / 7
-    assert_same(fast, run(overrides, "python"))
+    assert_same(fast, run(overrides, "simpy"))
 
 
 def test_a_streamed_workload_and_a_list_give_the_same_run():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[*CASES["conv"], "executor=compiled"])
+        cfg = compose("config", overrides=[*CASES["conv"], "core=compiled"])
     workload = stream_workload(cfg.workload, seed=cfg.seed)
     shuffled = [workload.request(i) for i in np.random.default_rng(0).permutation(len(workload))]
     a = simulate(cfg, requests=workload, warn=False)
@@ -143,7 +143,7 @@ def test_extrapolation_warnings_are_the_same(tmp_path):
     path = linear_profile().save(tmp_path / "small-grid")
     overrides = [*CONV, "workload.num_requests=300", f"profile.path={path}",
                  "cluster.replicas=2", "cluster.router=least_outstanding"]  # fmt: skip
-    fast, ref = run(overrides), run(overrides, "python")
+    fast, ref = run(overrides), run(overrides, "simpy")
     assert fast.extrapolated  # the comparison is of something
     assert_same(fast, ref)
 
@@ -154,7 +154,7 @@ def test_a_request_that_cannot_fit_is_refused_alike():
         (["policy.max_batch_total_tokens=3000"], "policy.max_batch_total_tokens"),
     ):
         messages = []
-        for executor in ("compiled", "python"):
+        for executor in ("compiled", "simpy"):
             with pytest.raises(UserError, match=key) as e:
                 run([*CONV, "workload.num_requests=300", *extra], executor)
             messages.append(str(e.value))
@@ -170,8 +170,8 @@ def test_what_it_does_not_run_is_refused_in_one_line(overrides, what):
     with pytest.raises(UserError) as e:
         run([*CONV, "workload.num_requests=20", *overrides])
     message = str(e.value)
-    assert message.startswith("executor=compiled: does not run") and what in message
-    assert "executor=python" in message and "\n" not in message
+    assert message.startswith("core=compiled: does not run") and what in message
+    assert "core=simpy" in message and "\n" not in message
 
 
 def test_a_run_that_keeps_its_sequences_is_refused():
@@ -180,7 +180,7 @@ def test_a_run_that_keeps_its_sequences_is_refused():
 
 
 def test_an_unknown_executor_is_refused():
-    with pytest.raises(UserError, match="executor=numba.*python or compiled"):
+    with pytest.raises(UserError, match="core=numba.*simpy or compiled"):
         run([*CONV, "workload.num_requests=20"], "numba")
 
 
@@ -190,9 +190,9 @@ def test_a_watched_run_stops_for_the_same_reason():
     from sim.plan import Targets, Verdict
 
     reasons = []
-    for executor in ("compiled", "python"):
+    for executor in ("compiled", "simpy"):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("config", overrides=[*CASES["conv"], f"executor={executor}"])
+            cfg = compose("config", overrides=[*CASES["conv"], f"core={executor}"])
         workload = stream_workload(cfg.workload, seed=cfg.seed)
         verdict = Verdict(Targets(3.0, 0.99, 0.95), cfg.slo, workload.times, workload.is_ls)
         with pytest.raises(RunStopped) as e:
@@ -243,4 +243,4 @@ def test_randomised_settings_match():
                      f"policy.waiting_served_ratio={float(rng.uniform(0, 2)):.3f}",
                      f"policy.max_batch_prefill_tokens={int(rng.integers(2048, 8192))}",
                      ]  # fmt: skip
-        assert_same(run(overrides), run(overrides, "python"))
+        assert_same(run(overrides), run(overrides, "simpy"))
