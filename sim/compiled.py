@@ -36,6 +36,7 @@ from sim.workloads import Workload
 
 FLUSH_EVERY = 8192  # finished requests handed to Python at a time
 PICKS_AHEAD = 1 << 16  # routing picks drawn at a time
+MEMO_WIDTH = 8192  # inputs of the one-key curves remembered
 
 
 def unsupported(scheds: list[Scheduler], latencies: list[LatencyModel]) -> str | None:
@@ -201,6 +202,10 @@ class CompiledCluster:
         self.fin = np.zeros(n, dtype=np.int64)
         self.TL = np.zeros((2 * n, 3))
         self.CF, self.CV, self.BEY = _pack(_curves(lat), replicas)
+        self.MEMO = np.full((3, MEMO_WIDTH), np.nan)  # overhead, router, lm_head (K's order)
+        ci[K.C_MEMO_ROUTER] = min(MEMO_WIDTH, int(lat.router.xs[-1]) + 1)
+        ci[K.C_MEMO_SIZE] = min(MEMO_WIDTH, int(lat.overhead.xs[-1]) + 1,
+                                int(lat.lm_head.xs[-1]) + 1)  # fmt: skip
         self.EXP = lat._expert_table
         most_pooled = lat.routing.POOLED_MAX_TOKENS
         width_e = lat.routing.num_layers * lat.routing.num_experts
@@ -280,8 +285,8 @@ class CompiledCluster:
         while True:
             status = K.run(g, self.gf, self.ci, self.cf, self.H, self.ri, self.rf, self.lists,
                            self.arrival, self.REQ, self.SI, self.SF, self.arena, self.fin,
-                           self.TL, self.CF, self.CV, self.BEY, self.EXP, self.PC, self.PF,
-                           self.PS, self.PB)  # fmt: skip
+                           self.TL, self.CF, self.CV, self.BEY, self.MEMO, self.EXP, self.PC,
+                           self.PF, self.PS, self.PB)  # fmt: skip
             if status == K.DONE:
                 self._flush()
                 break

@@ -77,7 +77,9 @@ S_FIRST, S_LAST, S_FIN, S_ITL = 0, 1, 2, 3  # first, last token, finish; largest
 C_REPLICAS, C_ROUTER, C_LS_REPLICAS, C_MAX_BATCH, C_MAX_PREFILL = 0, 1, 2, 3, 4
 C_MAX_WAITING, C_MAX_TOTAL, C_CAPACITY, C_LAYERS, C_POOL, C_POOLED_MAX = 5, 6, 7, 8, 9, 10
 C_PER_PROMPT, C_FLUSH_EVERY, C_ARENA_FREE = 11, 12, 13
-C_SIZE = 14
+# MEMO[c, x] (NaN: not yet) holds curve c at x below these: its grid's end, or MEMO's width
+C_MEMO_ROUTER, C_MEMO_SIZE = 14, 15
+C_SIZE = 16
 CF_RATIO, CF_GRID_X, CF_GRID_Y, CF_SLOPE = 0, 1, 2, 3  # the expert curve's end and slope
 CF_SIZE = 4
 ROUTER_CODES = {"round_robin": 0, "least_outstanding": 1, "least_kv": 2, "ls_dedicated": 3,
@@ -274,16 +276,16 @@ def _pop(g, H):
 
 # -------------------------------------------------------------------------------- the loop
 @njit(cache=True)
-def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF, CV, BEY, EXP,
-        PC, PF, PS, PB):  # fmt: skip
+def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF, CV, BEY, MEMO,
+        EXP, PC, PF, PS, PB):  # fmt: skip
     """Process events until the run ends (DONE), an error, or Python is needed (a pool, a
     block of picks, or a flush of finished requests: FLUSH); call again to go on."""
     spare = H.shape[0] - 1
     while True:
         if g[G_PENDING] >= 0:  # a batch selected before we returned waits for its plan
             r = g[G_PENDING]
-            status = _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, EXP, PC, PF,
-                           PS, PB, r, g[G_PENDING_MODE] == 1)  # fmt: skip
+            status = _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC,
+                           PF, PS, PB, r, g[G_PENDING_MODE] == 1)  # fmt: skip
             if status != DONE:
                 return status
             g[G_PENDING] = -1
@@ -320,8 +322,8 @@ def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF,
                 ri[r, R_STATE] = ST_WAITING
             continue
         ri[r, R_STATE] = ST_RUNNING
-        status = _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, EXP, PC, PF, PS,
-                       PB, r, False)  # fmt: skip
+        status = _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, PF,
+                       PS, PB, r, False)  # fmt: skip
         if status != DONE:
             g[G_PENDING] = r
             return status
@@ -484,7 +486,8 @@ def _select(g, ci, cf, ri, lists, REQ, SI, r):
 
 
 @njit(cache=True)
-def _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, EXP, PC, PF, PS, PB, r, given):
+def _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, PF, PS, PB, r,
+          given):  # fmt: skip
     """LatencyModel.plan of replica r's batch and the timeout to its end (``given``: the
     experts' summed time is gf[GF_SUM], computed by Python)."""
     size = ri[r, R_N_BATCH]
@@ -515,9 +518,22 @@ def _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, EXP, PC, PF, PS
                                REQ[lists[r, BATCH, k], Q_PROMPT])  # fmt: skip
     else:
         attention = curve(CF, CV, BEY, ATTN_PREFILL, r, size, tokens)
-    layers = ci[C_LAYERS] * (attention + curve(CF, CV, BEY, ROUTER, r, 0, tokens))
-    overhead = curve(CF, CV, BEY, OVERHEAD, r, 0, size)
-    total = overhead + (layers + esum) + curve(CF, CV, BEY, LM_HEAD, r, 0, size)
+    # the three curves of one input, memoised within their grids (no extrapolation to note)
+    if tokens < ci[C_MEMO_ROUTER] and not math.isnan(MEMO[ROUTER, tokens]):
+        router = MEMO[ROUTER, tokens]
+    else:
+        router = curve(CF, CV, BEY, ROUTER, r, 0, tokens)
+        if tokens < ci[C_MEMO_ROUTER]:
+            MEMO[ROUTER, tokens] = router
+    if size < ci[C_MEMO_SIZE] and not math.isnan(MEMO[OVERHEAD, size]):
+        overhead, lm_head = MEMO[OVERHEAD, size], MEMO[LM_HEAD, size]
+    else:
+        overhead = curve(CF, CV, BEY, OVERHEAD, r, 0, size)
+        lm_head = curve(CF, CV, BEY, LM_HEAD, r, 0, size)
+        if size < ci[C_MEMO_SIZE]:
+            MEMO[OVERHEAD, size], MEMO[LM_HEAD, size] = overhead, lm_head
+    layers = ci[C_LAYERS] * (attention + router)
+    total = overhead + (layers + esum) + lm_head
     now = gf[GF_NOW]
     rf[r, RF_START] = now
     schedule(g, H, now + total, NORMAL, EV_ITER, r)

@@ -61,6 +61,12 @@ def stats(values: Any) -> dict:
             "max": float(v.max())}  # fmt: skip
 
 
+def _raw(values: np.ndarray) -> memoryview:
+    """An array's bytes without a copy (``array.frombytes`` takes them; ``tobytes`` would
+    copy every gap once more)."""
+    return memoryview(np.ascontiguousarray(values)).cast("B")
+
+
 class GapStats:
     """One class's gaps between tokens, in bounded memory. While there are at most
     ``exact_up_to`` of them, every one is kept and ``stats`` is numpy's on all of them,
@@ -104,9 +110,9 @@ class GapStats:
             room = self.exact_up_to - len(self.buffer)
             stop = start + min(int(np.searchsorted(ends, room, side="left")), len(ends) - 1) + 1
             take = int(ends[stop - start - 1])
-            self.buffer.frombytes(np.ascontiguousarray(gaps[pos : pos + take]).tobytes())
+            self.buffer.frombytes(_raw(gaps[pos : pos + take]))
             if self.lengths is not None:
-                self.lengths.frombytes(lengths[start:stop].tobytes())
+                self.lengths.frombytes(_raw(lengths[start:stop]))
             pos, start = pos + take, stop
             if len(self.buffer) >= self.exact_up_to:
                 self._fold()
@@ -259,7 +265,7 @@ class Records:
         their counts), as ``GapStats.add_many`` takes them."""
 
         def put(a: array, values: np.ndarray) -> None:
-            a.frombytes(np.ascontiguousarray(values, dtype=a.typecode).tobytes())
+            a.frombytes(_raw(np.asarray(values, dtype=a.typecode)))
 
         n = len(ids)
         put(self.id, ids)

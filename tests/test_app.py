@@ -60,7 +60,8 @@ def test_run_writes_outputs_with_the_documented_schema(tmp_path):
     assert set(summary["throughput"]) == {"jobs_per_s", "output_tokens_per_s",
                                           "total_tokens_per_s", "goodput_jobs_per_s",
                                           "steady_jobs_per_s"}  # fmt: skip
-    assert set(summary["executor"]) == {"events", "wall_s", "merges"}
+    assert set(summary["executor"]) == {"events", "wall_s", "merges", "core"}
+    assert summary["executor"]["core"] == "simpy"
     assert summary["arrived"] == summary["completed"] == 60
     assert summary["classes"]["all"]["count"] == 60
     assert (run_dir / ".hydra" / "config.yaml").is_file()
