@@ -192,11 +192,10 @@ class CompiledCluster:
         self.ri[:, K.R_WAITING_TOKENS] = 1  # TGI's counter starts at 1
         self.rf = np.zeros((replicas, K.RF_SIZE), dtype=np.float64)
         self.lists = np.zeros((replicas, 2, width), dtype=np.int64)  # ready, batch
-        self.REQ = (
-            np.stack([self.prompt, self.output, self.is_ls], axis=1)
-            if n
-            else np.zeros((0, 3), dtype=np.int64)
-        )
+        self.REQ = np.stack([self.prompt, self.output, self.is_ls], axis=1).astype(np.int64)
+        # views of it from here on, not copies beside it (a day-long run holds millions)
+        self.prompt, self.output = self.REQ[:, K.Q_PROMPT], self.REQ[:, K.Q_OUT]
+        self.is_ls = self.REQ[:, K.Q_LS]
         self.SI = np.zeros((n, 4), dtype=np.int64)  # generated, gap slice, link, replica
         self.SF = np.full((n, 4), np.nan)  # first token, last token, finish, largest gap
         self.fin = np.zeros(n, dtype=np.int64)
@@ -317,7 +316,17 @@ class CompiledCluster:
         for r in range(replicas):  # what was drawn but not taken goes back, as in stepping
             self._hand_back(r)
             self._unpack(r)
-        return self._result(time.perf_counter() - wall)
+        result = self._result(time.perf_counter() - wall)
+        self._release()
+        return result
+
+    def _release(self) -> None:
+        """Drop the loop's arrays (some 200 bytes a request, and the gap arena) once the
+        result holds what it needs: the outputs are built next, and a day-long run's peak
+        memory is then."""
+        for name in ("REQ", "SI", "SF", "fin", "TL", "arena", "PC", "lists", "prompt",
+                     "output", "is_ls", "arrival", "codes", "ids"):  # fmt: skip
+            setattr(self, name, None)
 
     def _raise(self, status: int) -> None:
         i = int(self.g[K.G_ARG])

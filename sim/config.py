@@ -131,7 +131,8 @@ class SimConfig:
     # false: iteration by iteration (same per-request results, slower)
     fast_forward: bool = True
     # simpy: the SimPy executor (every policy); compiled: the compiled loop (sim/kernel.py),
-    # the same per-request results for the policies it covers, many times faster
+    # the same per-request results for the policies it covers, many times faster; auto:
+    # compiled where it covers the run, else simpy (summary.json's executor.core says which)
     core: str = "simpy"
     # a progress bar on stderr; null: only for a run of 50,000 requests or more (minutes of
     # CPU) when stderr is a terminal
@@ -318,7 +319,7 @@ def validate(cfg: Any) -> None:
             need(1 <= c.ls_replicas < c.replicas, "cluster.ls_replicas", c.ls_replicas,
                  "must be in [1, cluster.replicas - 1] for ls_dedicated")  # fmt: skip
     core = getattr(cfg, "core", "simpy")
-    need(core in ("simpy", "compiled"), "core", core, "must be simpy or compiled")
+    need(core in ("simpy", "compiled", "auto"), "core", core, "must be simpy, compiled or auto")
     need(
         cfg.boundary_mode in ("lookup", "step"),
         "boundary_mode",

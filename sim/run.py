@@ -171,14 +171,16 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
     scheds = [build_scheduler(cfg, profile) for _ in range(n)]
     latencies = [build_latency(cfg, profile, i) for i in range(n)]
     core = getattr(cfg, "core", "simpy")
-    if core == "compiled":
+    if core in ("compiled", "auto"):
         from sim.compiled import CompiledCluster, unsupported
 
         reason = unsupported(scheds, latencies)
         if reason is None and (record_trace or keep_sequences):
             reason = "a run that records a trace or keeps its sequences"
-        if reason is not None:
+        if reason is not None and core == "compiled":
             raise UserError(f"core=compiled: does not run {reason}; core=simpy does")
+        core = "simpy" if reason is not None else "compiled"
+    if core == "compiled":
         cluster = CompiledCluster(requests, scheds, latencies, router_name,
                                   cluster_cfg.ls_replicas if cluster_cfg else 1, records,
                                   ordered=ordered, on_finished=bar.update if bar else None,

@@ -180,7 +180,7 @@ def test_a_run_that_keeps_its_sequences_is_refused():
 
 
 def test_an_unknown_executor_is_refused():
-    with pytest.raises(UserError, match="core=numba.*simpy or compiled"):
+    with pytest.raises(UserError, match="core=numba.*simpy, compiled or auto"):
         run([*CONV, "workload.num_requests=20"], "numba")
 
 
@@ -244,3 +244,13 @@ def test_randomised_settings_match():
                      f"policy.max_batch_prefill_tokens={int(rng.integers(2048, 8192))}",
                      ]  # fmt: skip
         assert_same(run(overrides), run(overrides, "simpy"))
+
+
+def test_auto_runs_compiled_where_it_can_and_simpy_elsewhere():
+    iteration = run([*CONV, "workload.num_requests=60"], "auto")
+    assert iteration.summary["executor"]["core"] == "compiled"
+    assert_same(iteration, run([*CONV, "workload.num_requests=60"], "simpy"))
+    qllm = run([*CONV, "workload.num_requests=60", "policy=qllm"], "auto")
+    assert qllm.summary["executor"]["core"] == "simpy"
+    kept = run([*CONV, "workload.num_requests=60"], "auto", keep_sequences=True)
+    assert kept.summary["executor"]["core"] == "simpy" and len(kept.result.sequences) == 60
