@@ -23,10 +23,14 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import pandas as pd
 
+from policies.alg1 import Algorithm1
 from policies.core import LS, Request
 from policies.iteration import IterationFCFS
+from policies.layer import LayerPreemptive
 from policies.memory import ReserveMemory
+from policies.qllm import QLLM
 from policies.scheduler import CapacityError, Scheduler
+from profiler.schema import OpPoint
 from sim import kernel as K
 from sim.cluster import ClusterResult
 from sim.engine import SimResult
@@ -34,6 +38,9 @@ from sim.latency import Curve1D, Curve2D, LatencyModel
 from sim.metrics import Records
 from sim.workloads import Workload
 
+COVERED = {IterationFCFS: "iteration", Algorithm1: "alg1", LayerPreemptive: "layer", QLLM: "qllm"}
+NO_SWITCH = Curve1D([OpPoint("preempt_switch", num_tokens=1, median_ms=0.0, p90_ms=0.0)],
+                    "num_tokens")  # fmt: skip
 FLUSH_EVERY = 8192  # finished requests handed to Python at a time
 PICKS_AHEAD = 1 << 16  # routing picks drawn at a time
 MEMO_WIDTH = 8192  # inputs of the one-key curves remembered
@@ -42,8 +49,14 @@ MEMO_WIDTH = 8192  # inputs of the one-key curves remembered
 def unsupported(scheds: list[Scheduler], latencies: list[LatencyModel]) -> str | None:
     """Why the compiled executor cannot run these replicas (None: it can)."""
     policy, lat = scheds[0].policy, latencies[0]
-    if type(policy) is not IterationFCFS:
-        return f"policy {policy.name} (it runs iteration, and tgi-0.3)"
+    if type(policy) not in COVERED:
+        return f"policy {policy.name} (it runs {', '.join(COVERED.values())})"
+    if isinstance(policy, Algorithm1):
+        for key, value in (("be_max_wait_s", policy.be_max_wait_s),
+                           ("evict_be_for_ls", policy.evict_be_for_ls),
+                           ("merge", getattr(policy, "merge", False))):  # fmt: skip
+            if value not in (None, False):
+                return f"policy.{key}={value}"
     if not isinstance(scheds[0].memory, ReserveMemory):
         return f"memory.model={scheds[0].memory.name} (it runs reserve)"
     if lat.wake is not None:
@@ -68,9 +81,11 @@ def unsupported(scheds: list[Scheduler], latencies: list[LatencyModel]) -> str |
 
 
 def _curves(lat: LatencyModel) -> list[Curve1D | Curve2D]:
-    """The curves the loop reads, in ``kernel.run``'s order of ``curves``."""
+    """The curves the loop reads, in ``sim.kernel``'s order (a profile without
+    ``preempt_switch`` gets a stand-in the loop never reads)."""
     prefill = lat.attn_prefill_batch if lat.prefill_batched else lat.attn_prefill
-    return [lat.overhead, lat.router, lat.lm_head, lat.attn_decode, prefill]
+    switch = lat.switch if lat.switch is not None else NO_SWITCH
+    return [lat.overhead, lat.router, lat.lm_head, lat.attn_decode, prefill, switch]
 
 
 def _pack(curves: list[Curve1D | Curve2D], replicas: int) -> tuple:
@@ -153,7 +168,9 @@ class CompiledCluster:
         policy, cap = scheds[0].policy, scheds[0].kv_capacity_tokens
         reserved = self.prompt + self.output
         most = cap // max(int(reserved.min()), 1) + 1 if n else 1  # sequences that fit at once
-        width = int(min(policy.max_batch_size, most, max(n, 1)))
+        alg1 = isinstance(policy, Algorithm1)
+        # a batch holds at most max_batch_size; Algorithm 1's decode queues may hold more
+        width = int(min(most, max(n, 1)) if alg1 else min(policy.max_batch_size, most, max(n, 1)))
 
         def limit(x: float) -> int:
             return K.NO_CAP if x == math.inf else int(x)
@@ -163,14 +180,26 @@ class CompiledCluster:
         ci[K.C_LS_REPLICAS] = ls_replicas
         ci[K.C_MAX_BATCH] = limit(policy.max_batch_size)
         ci[K.C_MAX_PREFILL] = policy.max_batch_prefill_tokens
-        ci[K.C_MAX_WAITING] = policy.max_waiting_tokens
-        ci[K.C_MAX_TOTAL] = limit(policy.max_batch_total_tokens)
+        if alg1:
+            ci[K.C_POLICY] = 1
+            ci[K.C_REFILL], ci[K.C_FILL] = policy.refill_be, policy.fill_be_prefill
+            ci[K.C_MAX_IN_FLIGHT] = limit(policy.max_in_flight)
+            ci[K.C_PREEMPT_PREFILL] = getattr(policy, "preempt_prefill", True)
+            ci[K.C_MAX_TOTAL] = K.NO_CAP
+        else:
+            ci[K.C_MAX_WAITING] = policy.max_waiting_tokens
+            ci[K.C_MAX_TOTAL] = limit(policy.max_batch_total_tokens)
+        ci[K.C_GRAN] = int(policy.granularity)
         ci[K.C_CAPACITY] = cap
         lat = latencies[0]
         ci[K.C_LAYERS] = lat.routing.num_layers
         ci[K.C_POOL] = lat.routing.pool_size
         ci[K.C_POOLED_MAX] = lat.routing.POOLED_MAX_TOKENS
         ci[K.C_PER_PROMPT] = not lat.prefill_batched
+        ci[K.C_SWITCH] = lat.switch is not None
+        experts = lat.routing.num_experts
+        ci[K.C_EXPERTS] = experts
+        ci[K.C_STAGES] = 2 + lat.routing.num_layers * (2 + experts)
         ci[K.C_FLUSH_EVERY] = 256 if watch is not None else FLUSH_EVERY
         gaps = int((self.output - 1).sum())
         # an event admits at most a replica's capacity of gaps; what is in flight at most
@@ -181,22 +210,24 @@ class CompiledCluster:
         self.ci = ci
         e = lat.expert
         self.cf = np.zeros(K.CF_SIZE)
-        self.cf[K.CF_RATIO] = policy.waiting_served_ratio
+        self.cf[K.CF_RATIO] = getattr(policy, "waiting_served_ratio", 0.0)
+        self.cf[K.CF_ACT] = scheds[0].activation_tokens_per_token
         self.cf[K.CF_GRID_X], self.cf[K.CF_GRID_Y] = float(e.xs[-1]), float(e.ys[-1])
         self.cf[K.CF_SLOPE] = float(e.slope)
         self.g = np.zeros(K.G_SIZE, dtype=np.int64)
         self.g[K.G_PENDING] = -1
         self.gf = np.zeros(K.GF_SIZE, dtype=np.float64)
-        self.H = np.zeros((2 * replicas + 5, 5))  # events pending (two a replica), a spare row
+        self.H = np.zeros((2 * replicas + 5, K.H_COLS))  # events pending (two a replica), a spare
         self.ri = np.zeros((replicas, K.R_SIZE), dtype=np.int64)
         self.ri[:, K.R_WAITING_TOKENS] = 1  # TGI's counter starts at 1
         self.rf = np.zeros((replicas, K.RF_SIZE), dtype=np.float64)
-        self.lists = np.zeros((replicas, 2, width), dtype=np.int64)  # ready, batch
+        # ready (Algorithm 1: the LS decode queue), batch, BE decode queue, suspended batch
+        self.lists = np.zeros((replicas, 4, width), dtype=np.int64)
         self.REQ = np.stack([self.prompt, self.output, self.is_ls], axis=1).astype(np.int64)
         # views of it from here on, not copies beside it (a day-long run holds millions)
         self.prompt, self.output = self.REQ[:, K.Q_PROMPT], self.REQ[:, K.Q_OUT]
         self.is_ls = self.REQ[:, K.Q_LS]
-        self.SI = np.zeros((n, 4), dtype=np.int64)  # generated, gap slice, link, replica
+        self.SI = np.zeros((n, K.SI_COLS), dtype=np.int64)  # generated, gap slice, link, ...
         self.SF = np.full((n, 4), np.nan)  # first token, last token, finish, largest gap
         self.fin = np.zeros(n, dtype=np.int64)
         self.TL = np.zeros((2 * n, 3))
@@ -213,6 +244,10 @@ class CompiledCluster:
         self.PF = np.zeros((replicas, most_pooled + 1, 2), dtype=np.int64)  # routed, summed
         self.PS = np.zeros((replicas, most_pooled + 1, pool))
         self.PB = np.zeros((replicas, lat.routing.PICK_BLOCK), dtype=np.int64)
+        # a preemptible policy's running and suspended plans: stage offsets; expert times
+        stages = int(ci[K.C_STAGES]) + 1 if ci[K.C_GRAN] > K.G_ITERATION else 1
+        self.OFF = np.zeros((replicas, 2, stages))
+        self.ET = np.zeros((replicas, width_e if ci[K.C_GRAN] > K.G_ITERATION else 1))
         for r in range(replicas):
             self._sync_pools(r)
             self._sync_picks(r)
@@ -262,7 +297,7 @@ class CompiledCluster:
         self.records.add_columns(
             self.ids[which], ls, self.codes[which], self.arrival[which], self.prompt[which],
             self.output[which], first, finish, self.SF[which, K.S_ITL],
-            self.SI[which, K.S_PLACED], gaps)  # fmt: skip
+            self.SI[which, K.S_PLACED], gaps, self.SI[which, K.S_PREEMPTIONS])  # fmt: skip
         if self.watch is not None:
             for k, i in enumerate(which.tolist()):
                 self.watch.finished_values(bool(self.is_ls[i]), float(self.arrival[i]),
@@ -285,7 +320,7 @@ class CompiledCluster:
             status = K.run(g, self.gf, self.ci, self.cf, self.H, self.ri, self.rf, self.lists,
                            self.arrival, self.REQ, self.SI, self.SF, self.arena, self.fin,
                            self.TL, self.CF, self.CV, self.BEY, self.MEMO, self.EXP, self.PC,
-                           self.PF, self.PS, self.PB)  # fmt: skip
+                           self.PF, self.PS, self.PB, self.OFF, self.ET)  # fmt: skip
             if status == K.DONE:
                 self._flush()
                 break
@@ -307,6 +342,9 @@ class CompiledCluster:
                 self._hand_back(r)
                 _, times = self.latencies[r].experts(int(g[K.G_ARG]))
                 self.gf[K.GF_SUM] = float(times.sum())
+                self.ri[r, K.R_EPOOL] = -1
+                if self.ET.shape[1] == times.size:
+                    self.ET[r] = times.ravel()
                 g[K.G_PENDING_MODE] = 1
                 self._sync_pools(r)
                 self._sync_picks(r)
@@ -349,6 +387,7 @@ class CompiledCluster:
         its latency model's extrapolations."""
         sched, lat = self.scheds[r], self.latencies[r]
         sched.iterations = int(self.ri[r, K.R_ITERS])
+        sched.preemptions = int(self.ri[r, K.R_PREEMPTS])
         sched.memory.used_tokens = int(self.ri[r, K.R_USED])
         sched.memory.peak_used_tokens = int(self.ri[r, K.R_PEAK])
         _unpack_beyond(_curves(lat), self.CV, self.BEY[r])
@@ -362,7 +401,7 @@ class CompiledCluster:
         result = SimResult(sequences=[], makespan_s=float(self.gf[K.GF_MAKESPAN]) if not
                            self.stopped else float(self.gf[K.GF_NOW]), events=events,
                            wall_s=wall_s, iterations=int(ri[:, K.R_ITERS].sum()),
-                           preemptions=0,
+                           preemptions=int(ri[:, K.R_PREEMPTS].sum()),
                            peak_kv_used_tokens=int(ri[:, K.R_PEAK].max()))  # fmt: skip
         rows = int(g[K.G_TL])
         timeline = pd.DataFrame({"t_s": self.TL[:rows, 0].copy(),

@@ -27,9 +27,13 @@ DONE, NEED_EXPERTS, NEED_PICKS, FLUSH, ERR_CAPACITY, ERR_BATCH_CAP, ERR_STALL = 
 
 # --- event kinds (heap), and SimPy's priorities
 EV_ARRIVAL_INIT, EV_EXEC_INIT, EV_ARRIVAL, EV_ITER, EV_WAKE = range(5)
+EV_SWITCH, EV_INTERRUPT, EV_BOUNDARY = 5, 6, 7  # a resume's switch; an arrival's interrupt;
+# the run to a preemptible boundary (or the end) after it
 URGENT, NORMAL = 0, 1
-# heap rows H[k, ...]: time, priority, event id, kind, replica (all float64: ids are < 2**53)
-H_T, H_P, H_E, H_K, H_R = range(5)
+# heap rows H[k, ...]: time, priority, event id, kind, replica, tag (all float64: ids are
+# < 2**53); an iteration's end whose tag is no longer its replica's R_TAG was interrupted
+H_T, H_P, H_E, H_K, H_R, H_TAG = range(6)
+H_COLS = 6
 
 # --- global int state g[...]
 G_EID = 0  # SimPy's event counter
@@ -60,17 +64,35 @@ R_WAITING_TOKENS, R_DECODE_NEXT = 7, 8  # TGI's counter; a join was just prefill
 R_USED, R_PEAK, R_IN_SYS, R_ITERS, R_EVENTS = 9, 10, 11, 12, 13
 R_N_READY, R_READY_LS, R_N_BATCH = 14, 15, 16
 R_PICKS, R_TAKEN = 17, 18  # picks in its block (PB[r]); picks taken of them
-R_SIZE = 19
+# Algorithm 1 (alg1, layer, qllm): the BE waiting FIFO (the LS one is R_W_HEAD/TAIL, R_W_LS
+# long); the decode queues as rings (LS: R_READY_LS long from R_RH_LS; BE: R_RN_BE from
+# R_RH_BE); R_N_READY counts both
+R_WH_BE, R_WT_BE, R_RH_LS, R_RH_BE, R_RN_BE = 19, 20, 21, 22, 23
+# the running batch: cursor, new tokens, whether it holds LS work, its experts (the pool and
+# pick, or -1: ET[r]), whether OFF[r, 0] holds its offsets
+R_CURSOR, R_NEW_TOKENS, R_HAS_LS, R_EPOOL, R_EPICK, R_OFF_OK = 24, 25, 26, 27, 28, 29
+# the suspended batch (at most one: see _select_alg1): size, phase, cursor, new tokens,
+# whether it holds LS work, activation tokens held
+R_S_N, R_S_PHASE, R_S_CURSOR, R_S_NEW, R_S_HAS_LS, R_S_HELD = 30, 31, 32, 33, 34, 35
+# an arrival may interrupt the iteration; the iteration end's tag; the boundary the run
+# after an interrupt stops at and whether it suspends there; preemptions so far
+R_INTERRUPTIBLE, R_TAG, R_BOUNDARY, R_SUSPENDS, R_PREEMPTS = 36, 37, 38, 39, 40
+R_SIZE = 41
 ST_NEW, ST_RUNNING, ST_WAITING, ST_WAKING, ST_DONE = range(5)
-READY, BATCH = 0, 1  # lists[r, READY], lists[r, BATCH]
+READY, BATCH, READY_BE, SUSPENDED = 0, 1, 2, 3  # lists[r, ...]: READY is alg1's LS ring
 
 # --- per-replica float state rf[r, ...]
 RF_START, RF_BUSY = 0, 1
-RF_SIZE = 2
+# the running batch's plan: total, and its stage times (Plan: overhead, attention, router,
+# lm_head); the offset its last lookup started from; the suspended batch's total
+RF_TOTAL, RF_OV, RF_ATT, RF_RT, RF_LM, RF_LOOK_OFF, RF_S_TOTAL = 2, 3, 4, 5, 6, 7, 8
+RF_SIZE = 9
 
 # --- requests: REQ[i, ...] (int), SI[i, ...] (int state), SF[i, ...] (float state)
 Q_PROMPT, Q_OUT, Q_LS = 0, 1, 2
 S_GEN, S_OFF, S_NXT, S_PLACED = 0, 1, 2, 3  # tokens generated; gap slice; FIFO link; replica
+S_PREEMPTIONS = 4  # times a batch holding it was suspended
+SI_COLS = 5
 S_FIRST, S_LAST, S_FIN, S_ITL = 0, 1, 2, 3  # first, last token, finish; largest gap (float32)
 
 # --- config ci[...], cf[...]
@@ -79,9 +101,16 @@ C_MAX_WAITING, C_MAX_TOTAL, C_CAPACITY, C_LAYERS, C_POOL, C_POOLED_MAX = 5, 6, 7
 C_PER_PROMPT, C_FLUSH_EVERY, C_ARENA_FREE = 11, 12, 13
 # MEMO[c, x] (NaN: not yet) holds curve c at x below these: its grid's end, or MEMO's width
 C_MEMO_ROUTER, C_MEMO_SIZE = 14, 15
-C_SIZE = 16
+# the policy: 0 iteration (TGI), 1 Algorithm 1 (alg1, layer, qllm); its granularity
+# (policies.core.Granularity); alg1's refill_be, fill_be_prefill, max_in_flight; layer's
+# preempt_prefill; whether the profile has preempt_switch; stages of an iteration; experts
+C_POLICY, C_GRAN, C_REFILL, C_FILL, C_MAX_IN_FLIGHT, C_PREEMPT_PREFILL = 16, 17, 18, 19, 20, 21
+C_SWITCH, C_STAGES, C_EXPERTS = 22, 23, 24
+C_SIZE = 25
+G_ITERATION, G_ROUTER, G_LAYER, G_EXPERT = 1, 2, 3, 4
 CF_RATIO, CF_GRID_X, CF_GRID_Y, CF_SLOPE = 0, 1, 2, 3  # the expert curve's end and slope
-CF_SIZE = 4
+CF_ACT = 4  # activation tokens per token (a suspended batch holds them)
+CF_SIZE = 5
 ROUTER_CODES = {"round_robin": 0, "least_outstanding": 1, "least_kv": 2, "ls_dedicated": 3,
                 "ls_first": 4}  # fmt: skip
 NO_CAP = 1 << 62  # a limit that is null (no cap)
@@ -92,8 +121,8 @@ NO_CAP = 1 << 62  # a limit that is null (no cap)
 # curve of one row. BEY[r, j]: the largest input row j extrapolated on replica r (NaN: none);
 # BEY[r, CV[CV_ROWS] + c]: curve c's largest row key beyond its last row; BEY[r, CV[CV_ROWS] +
 # CURVES]: the expert curve's largest count beyond its grid.
-OVERHEAD, ROUTER, LM_HEAD, ATTN_DECODE, ATTN_PREFILL = range(5)
-CURVES = 5
+OVERHEAD, ROUTER, LM_HEAD, ATTN_DECODE, ATTN_PREFILL, SWITCH = range(6)
+CURVES = 6
 CV_ROWS = 2 * CURVES
 CV_ROW0 = CV_ROWS + 1
 
@@ -221,7 +250,7 @@ def pairwise_sum(a, lo, n):
 
 # -------------------------------------------------------------------------------------- heap
 @njit(cache=True)
-def schedule(g, H, t, prio, kind, r):
+def schedule(g, H, t, prio, kind, r, tag=0):
     """SimPy's ``schedule``: the event gets the next id; the heap orders by (time,
     priority, id)."""
     n = g[G_HEAP]
@@ -233,10 +262,11 @@ def schedule(g, H, t, prio, kind, r):
         pt, pp = H[parent, H_T], H[parent, H_P]
         if t > pt or (t == pt and (prio > pp or (prio == pp and e > H[parent, H_E]))):
             break
-        for col in range(5):
+        for col in range(H_COLS):
             H[n, col] = H[parent, col]
         n = parent
     H[n, H_T], H[n, H_P], H[n, H_E], H[n, H_K], H[n, H_R] = t, prio, e, kind, r
+    H[n, H_TAG] = tag
 
 
 @njit(cache=True)
@@ -253,12 +283,12 @@ def _before(H, i, j):
 def _pop(g, H):
     """Remove the first event; it is left in row H.shape[0] - 1 (the heap never fills)."""
     spare = H.shape[0] - 1
-    for col in range(5):
+    for col in range(H_COLS):
         H[spare, col] = H[0, col]
     n = g[G_HEAP] - 1
     g[G_HEAP] = n
     if n > 0:
-        for col in range(5):
+        for col in range(H_COLS):
             H[0, col] = H[n, col]
         i = 0
         while True:
@@ -269,7 +299,7 @@ def _pop(g, H):
                 best = right
             if best == i:
                 break
-            for col in range(5):
+            for col in range(H_COLS):
                 H[i, col], H[best, col] = H[best, col], H[i, col]
             i = best
 
@@ -277,18 +307,19 @@ def _pop(g, H):
 # -------------------------------------------------------------------------------- the loop
 @njit(cache=True)
 def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF, CV, BEY, MEMO,
-        EXP, PC, PF, PS, PB):  # fmt: skip
+        EXP, PC, PF, PS, PB, OFF, ET):  # fmt: skip
     """Process events until the run ends (DONE), an error, or Python is needed (a pool, a
     block of picks, or a flush of finished requests: FLUSH); call again to go on."""
     spare = H.shape[0] - 1
     while True:
         if g[G_PENDING] >= 0:  # a batch selected before we returned waits for its plan
             r = g[G_PENDING]
-            status = _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC,
-                           PF, PS, PB, r, g[G_PENDING_MODE] == 1)  # fmt: skip
+            status = _plan(g, gf, ci, cf, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, PF,
+                           PS, PB, ET, r, g[G_PENDING_MODE] == 1)  # fmt: skip
             if status != DONE:
                 return status
             g[G_PENDING] = -1
+            _launch(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r)
         if g[G_FIN] - g[G_FLUSHED] >= ci[C_FLUSH_EVERY] or len(arena) - g[G_TOP] < ci[C_ARENA_FREE]:
             return FLUSH
         if g[G_HEAP] == 0:
@@ -297,21 +328,49 @@ def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF,
         t, kind, r = H[spare, H_T], int(H[spare, H_K]), int(H[spare, H_R])
         gf[GF_NOW] = t
         if kind == EV_ARRIVAL_INIT or kind == EV_ARRIVAL:
-            status = _arrivals(g, gf, ci, H, ri, req_t, REQ, SI, TL, kind == EV_ARRIVAL)
+            status = _arrivals(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, TL,
+                               kind == EV_ARRIVAL)  # fmt: skip
             if status != DONE:
                 return status
             continue
         if kind == EV_ITER:
+            if H[spare, H_TAG] != ri[r, R_TAG]:  # interrupted: SimPy drops it unseen
+                continue
             ri[r, R_EVENTS] += 1
+            ri[r, R_INTERRUPTIBLE] = 0
             rf[r, RF_BUSY] += t - rf[r, RF_START]
-            _complete(g, ri, lists, REQ, SI, SF, arena, fin, TL, t, r)
+            _complete(g, ci, ri, lists, REQ, SI, SF, arena, fin, TL, t, r)
         elif kind == EV_WAKE:
             ri[r, R_EVENTS] += 1
+        elif kind == EV_SWITCH:  # a resumed batch's saved state is back: its lookup starts
+            ri[r, R_EVENTS] += 1
+            if t > rf[r, RF_START]:
+                rf[r, RF_BUSY] += t - rf[r, RF_START]
+                rf[r, RF_START] = t
+            _begin(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r)
+            continue
+        elif kind == EV_INTERRUPT:
+            _interrupt(g, gf, ci, H, ri, rf, EXP, PC, OFF, ET, r)
+            continue
+        elif kind == EV_BOUNDARY:
+            ri[r, R_EVENTS] += 1
+            rf[r, RF_BUSY] += t - rf[r, RF_START]
+            if ri[r, R_SUSPENDS]:
+                ri[r, R_CURSOR] = ri[r, R_BOUNDARY]
+                status = _suspend(g, cf, ri, rf, lists, REQ, SI, OFF, r)
+                if status != DONE:
+                    return status
+            else:
+                _complete(g, ci, ri, lists, REQ, SI, SF, arena, fin, TL, t, r)
         # the executor's step: select the next batch and plan it, or wait
-        status = _select(g, ci, cf, ri, lists, REQ, SI, r)
+        if ci[C_POLICY] == 0:
+            status = _select(g, ci, cf, ri, lists, REQ, SI, r)
+        else:
+            status = _select_alg1(g, ci, ri, lists, REQ, SI, r)
         if status != DONE:
             return status
-        if ri[r, R_PHASE] == 0:  # nothing to run
+        phase = ri[r, R_PHASE]
+        if phase == 0:  # nothing to run
             if g[G_ARRIVALS_DONE]:
                 if ri[r, R_IN_SYS]:
                     g[G_ARG] = r
@@ -322,22 +381,214 @@ def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF,
                 ri[r, R_STATE] = ST_WAITING
             continue
         ri[r, R_STATE] = ST_RUNNING
-        status = _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, PF,
-                       PS, PB, r, False)  # fmt: skip
+        if phase == 3:  # a suspended batch resumes: its plan kept, its saved state restored
+            if not _resume(g, ci, H, ri, rf, lists, CF, CV, BEY, OFF, t, r):
+                _begin(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r)
+            continue
+        status = _plan(g, gf, ci, cf, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, PF, PS,
+                       PB, ET, r, False)  # fmt: skip
         if status != DONE:
             g[G_PENDING] = r
             return status
+        _launch(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r)
 
 
 @njit(cache=True)
-def _arrivals(g, gf, ci, H, ri, req_t, REQ, SI, TL, waited):
+def _launch(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r):
+    """A fresh batch, planned, starts: one timeout to its end, or (a policy that preempts
+    inside an iteration) ``_begin``'s lookup."""
+    now = gf[GF_NOW]
+    rf[r, RF_START] = now
+    ri[r, R_CURSOR] = 0
+    ri[r, R_OFF_OK] = 0
+    if ci[C_GRAN] <= G_ITERATION:
+        schedule(g, H, now + (rf[r, RF_TOTAL] - 0.0), NORMAL, EV_ITER, r, ri[r, R_TAG])
+    else:
+        _begin(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r)
+
+
+@njit(cache=True)
+def _begin(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r):
+    """Simulation._run_lookup from the batch's cursor: if the policy already wants the
+    processor back (an arrival during a switch), run to the next preemptible boundary
+    (``_to_next_allowed``); else one timeout to the end, which an arrival may interrupt."""
+    now = gf[GF_NOW]
+    cursor = ri[r, R_CURSOR]
+    end = ci[C_STAGES]
+    if ri[r, R_W_LS] and not ri[r, R_HAS_LS] and _wants(ci, cf, ri, REQ, r):
+        _offsets(ci, ri, rf, EXP, PC, OFF, ET, r)
+        start = now - OFF[r, 0, cursor]
+        target = _allowed_after(ci, cursor)
+        ahead = target >= 0
+        if not ahead:
+            target = end
+        delay = max(0.0, start + OFF[r, 0, target] - now)
+        ri[r, R_BOUNDARY], ri[r, R_SUSPENDS] = target, 1 if ahead else 0
+        schedule(g, H, now + delay, NORMAL, EV_BOUNDARY, r)
+        return
+    offset = OFF[r, 0, cursor] if cursor else 0.0
+    rf[r, RF_LOOK_OFF] = offset
+    rf[r, RF_START] = now
+    ri[r, R_INTERRUPTIBLE] = 1
+    schedule(g, H, now + (rf[r, RF_TOTAL] - offset), NORMAL, EV_ITER, r, ri[r, R_TAG])
+
+
+@njit(cache=True)
+def _allowed_after(ci, cursor):
+    """The first boundary the policy's granularity may preempt at after ``cursor`` (inner
+    boundaries only), or -1 (``Plan.preemptible``'s list)."""
+    gran, stages = ci[C_GRAN], ci[C_STAGES]
+    per = 2 + ci[C_EXPERTS]
+    if gran == G_EXPERT:
+        return cursor + 1 if cursor + 1 <= stages - 1 else -1
+    for layer in range(ci[C_LAYERS]):
+        first = 1 + layer * per
+        if gran == G_ROUTER:
+            if first + 2 > cursor:
+                return first + 2
+        else:
+            for b in range(first, first + 3):
+                if b > cursor:
+                    return b
+    if gran == G_LAYER and 1 + ci[C_LAYERS] * per > cursor:
+        return 1 + ci[C_LAYERS] * per
+    return -1
+
+
+@njit(cache=True)
+def _wants(ci, cf, ri, REQ, r):
+    """Scheduler.should_preempt under LayerPreemptive.wants_preempt (no starvation guard,
+    no eviction): a running batch without LS work gives way once an LS job waits, may be
+    admitted, and its reservation plus the batch's saved activations fit."""
+    if ci[C_GRAN] <= G_ITERATION or ri[r, R_PHASE] == 0 or ri[r, R_HAS_LS]:
+        return False
+    if ri[r, R_W_LS] == 0 or (not ci[C_PREEMPT_PREFILL] and ri[r, R_PHASE] == 1):
+        return False
+    if _in_flight(ri, r) + ri[r, R_N_BATCH] >= ci[C_MAX_IN_FLIGHT]:
+        return False
+    head = ri[r, R_W_HEAD]
+    need = REQ[head, Q_PROMPT] + REQ[head, Q_OUT] + math.ceil(ri[r, R_NEW_TOKENS] * cf[CF_ACT])
+    return ri[r, R_USED] + need <= ci[C_CAPACITY]
+
+
+@njit(cache=True)
+def _in_flight(ri, r):
+    """Algorithm1.in_flight without the running batch: decode-ready and suspended."""
+    return ri[r, R_N_READY] + ri[r, R_S_N]
+
+
+@njit(cache=True)
+def _offsets(ci, ri, rf, EXP, PC, OFF, ET, r):
+    """Plan.offsets of the running batch in OFF[r, 0] (np.cumsum's sums, in its order; the
+    last is the plan's total), if not there yet."""
+    if ri[r, R_OFF_OK]:
+        return
+    layers, experts = ci[C_LAYERS], ci[C_EXPERTS]
+    att, rt = rf[r, RF_ATT], rf[r, RF_RT]
+    pool, pick = ri[r, R_EPOOL], ri[r, R_EPICK]
+    last = len(EXP) - 1
+    acc = 0.0
+    OFF[r, 0, 0] = 0.0
+    acc += rf[r, RF_OV]
+    OFF[r, 0, 1] = acc
+    k = 2
+    for layer in range(layers):
+        acc += att
+        OFF[r, 0, k] = acc
+        acc += rt
+        OFF[r, 0, k + 1] = acc
+        k += 2
+        for e in range(experts):
+            if pool >= 0:  # a pool sample's times are the table's at its counts (<= 64)
+                c = PC[r, pool, pick, layer * experts + e]
+                t = EXP[c] if c <= last else np.nan
+            else:
+                t = ET[r, layer * experts + e]
+            acc += t
+            OFF[r, 0, k] = acc
+            k += 1
+    OFF[r, 0, k] = rf[r, RF_TOTAL]  # acc + lm_head, replaced by the total as Plan does
+    ri[r, R_OFF_OK] = 1
+
+
+@njit(cache=True)
+def _interrupt(g, gf, ci, H, ri, rf, EXP, PC, OFF, ET, r):
+    """An arrival interrupted the iteration: run to the next preemptible boundary at or
+    after the time elapsed (``Plan.next_boundary``) and suspend there, or to the end."""
+    now = gf[GF_NOW]
+    elapsed = rf[r, RF_LOOK_OFF] + (now - rf[r, RF_START])
+    _offsets(ci, ri, rf, EXP, PC, OFF, ET, r)
+    b = _allowed_after(ci, 0)
+    while b >= 0 and OFF[r, 0, b] < elapsed:
+        b = _allowed_after(ci, b)
+    if b < 0:
+        ri[r, R_SUSPENDS] = 0
+        schedule(g, H, now + (rf[r, RF_TOTAL] - elapsed), NORMAL, EV_BOUNDARY, r)
+    else:
+        ri[r, R_BOUNDARY], ri[r, R_SUSPENDS] = b, 1
+        schedule(g, H, now + (OFF[r, 0, b] - elapsed), NORMAL, EV_BOUNDARY, r)
+
+
+@njit(cache=True)
+def _suspend(g, cf, ri, rf, lists, REQ, SI, OFF, r):
+    """Scheduler.preempt: the running batch is suspended at its cursor, keeping its plan;
+    its saved activations are held in memory."""
+    if ri[r, R_S_N]:  # never under the policies this loop runs (see _select_alg1)
+        g[G_ARG] = r
+        return ERR_STALL
+    n = ri[r, R_N_BATCH]
+    held = math.ceil(ri[r, R_NEW_TOKENS] * cf[CF_ACT])
+    ri[r, R_USED] += held
+    if ri[r, R_USED] > ri[r, R_PEAK]:
+        ri[r, R_PEAK] = ri[r, R_USED]
+    for k in range(n):
+        i = lists[r, BATCH, k]
+        lists[r, SUSPENDED, k] = i
+        SI[i, S_PREEMPTIONS] += 1
+    for k in range(OFF.shape[2]):
+        OFF[r, 1, k] = OFF[r, 0, k]
+    rf[r, RF_S_TOTAL] = rf[r, RF_TOTAL]
+    ri[r, R_S_N], ri[r, R_S_PHASE], ri[r, R_S_CURSOR] = n, ri[r, R_PHASE], ri[r, R_CURSOR]
+    ri[r, R_S_NEW], ri[r, R_S_HAS_LS], ri[r, R_S_HELD] = ri[r, R_NEW_TOKENS], ri[r, R_HAS_LS], held
+    ri[r, R_N_BATCH] = 0
+    ri[r, R_PHASE] = 0
+    ri[r, R_PREEMPTS] += 1
+    return DONE
+
+
+@njit(cache=True)
+def _resume(g, ci, H, ri, rf, lists, CF, CV, BEY, OFF, now, r):
+    """Scheduler.next_batch of the suspended batch: it runs again from its cursor, its plan
+    kept, its activations released; it first pays the profile's switch cost (returns
+    whether it does: the lookup starts when that timeout ends)."""
+    n = ri[r, R_S_N]
+    for k in range(n):
+        lists[r, BATCH, k] = lists[r, SUSPENDED, k]
+    for k in range(OFF.shape[2]):
+        OFF[r, 0, k] = OFF[r, 1, k]
+    ri[r, R_OFF_OK] = 1
+    rf[r, RF_TOTAL] = rf[r, RF_S_TOTAL]
+    ri[r, R_N_BATCH], ri[r, R_PHASE], ri[r, R_CURSOR] = n, ri[r, R_S_PHASE], ri[r, R_S_CURSOR]
+    ri[r, R_NEW_TOKENS], ri[r, R_HAS_LS] = ri[r, R_S_NEW], ri[r, R_S_HAS_LS]
+    ri[r, R_USED] -= ri[r, R_S_HELD]
+    ri[r, R_S_N] = 0
+    rf[r, RF_START] = now
+    switch = curve(CF, CV, BEY, SWITCH, r, 0, ri[r, R_NEW_TOKENS]) if ci[C_SWITCH] else 0.0
+    if switch > 0:
+        schedule(g, H, now + switch, NORMAL, EV_SWITCH, r)
+        return True
+    return False
+
+
+@njit(cache=True)
+def _arrivals(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, TL, waited):
     """The arrival process's step: admit the request it waited for, and those after it due
     now, then wait for the next (``sim.engine.replay``); after the last, close arrivals."""
     now = gf[GF_NOW]
     n = len(req_t)
     if waited:
         g[G_ARR_EVENTS] += 1
-        status = _admit(g, ci, H, ri, REQ, SI, TL, now, g[G_NEXT])
+        status = _admit(g, ci, cf, H, ri, REQ, SI, TL, now, g[G_NEXT])
         if status != DONE:
             return status
         g[G_NEXT] += 1
@@ -347,7 +598,7 @@ def _arrivals(g, gf, ci, H, ri, req_t, REQ, SI, TL, waited):
         if delay > 0:
             schedule(g, H, now + delay, NORMAL, EV_ARRIVAL, -1)
             return DONE
-        status = _admit(g, ci, H, ri, REQ, SI, TL, now, i)
+        status = _admit(g, ci, cf, H, ri, REQ, SI, TL, now, i)
         if status != DONE:
             return status
         g[G_NEXT] += 1
@@ -360,8 +611,9 @@ def _arrivals(g, gf, ci, H, ri, req_t, REQ, SI, TL, waited):
 
 
 @njit(cache=True)
-def _admit(g, ci, H, ri, REQ, SI, TL, now, i):
-    """Cluster._place: the router's choice, Scheduler.arrive, the wake-up, the timeline."""
+def _admit(g, ci, cf, H, ri, REQ, SI, TL, now, i):
+    """Cluster._place: the router's choice, Scheduler.arrive, the wake-up or the interrupt
+    (Simulation.admit), the timeline."""
     n, router = ci[C_REPLICAS], ci[C_ROUTER]
     ls = REQ[i, Q_LS]
     if router == 0:  # round_robin
@@ -396,11 +648,18 @@ def _admit(g, ci, H, ri, REQ, SI, TL, now, i):
         g[G_ARG] = i
         return ERR_CAPACITY
     SI[i, S_NXT] = -1
-    if ri[r, R_W_N] == 0:
-        ri[r, R_W_HEAD] = i
+    if ci[C_POLICY] == 1 and not ls:  # Algorithm 1's BE waiting FIFO
+        if ri[r, R_W_N] - ri[r, R_W_LS] == 0:
+            ri[r, R_WH_BE] = i
+        else:
+            SI[ri[r, R_WT_BE], S_NXT] = i
+        ri[r, R_WT_BE] = i
+    elif (ri[r, R_W_LS] if ci[C_POLICY] == 1 else ri[r, R_W_N]) == 0:
+        ri[r, R_W_HEAD] = i  # the waiting FIFO (Algorithm 1's LS one) was empty
+        ri[r, R_W_TAIL] = i
     else:
         SI[ri[r, R_W_TAIL], S_NXT] = i
-    ri[r, R_W_TAIL] = i
+        ri[r, R_W_TAIL] = i
     ri[r, R_W_N] += 1
     ri[r, R_W_LS] += ls
     ri[r, R_W_RESERVED] += reserved
@@ -408,6 +667,11 @@ def _admit(g, ci, H, ri, REQ, SI, TL, now, i):
     if ri[r, R_STATE] == ST_WAITING:
         schedule(g, H, now, NORMAL, EV_WAKE, r)
         ri[r, R_STATE] = ST_WAKING
+    elif ri[r, R_INTERRUPTIBLE] and _wants(ci, cf, ri, REQ, r):
+        ri[r, R_INTERRUPTIBLE] = 0
+        ri[r, R_TAG] += 1  # the iteration's end is dropped
+        schedule(g, H, now, URGENT, EV_INTERRUPT, r)
+        ri[r, R_EVENTS] += 1
     k = g[G_TL]
     TL[k, 0], TL[k, 1], TL[k, 2] = now, r, ri[r, R_IN_SYS]
     g[G_TL] = k + 1
@@ -486,10 +750,114 @@ def _select(g, ci, cf, ri, lists, REQ, SI, r):
 
 
 @njit(cache=True)
-def _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, PF, PS, PB, r,
+def _take_prefill(g, ci, ri, lists, REQ, SI, r, ls, k0, max_seqs, budget, alone):
+    """Scheduler.take_prefill from a class's waiting FIFO (reserve memory): admit from its
+    head while the batch size, the prefill token budget and memory allow, into the batch
+    from position k0; returns how many (``alone``: a first prompt over the budget is
+    admitted alone)."""
+    n_wait = ri[r, R_W_LS] if ls else ri[r, R_W_N] - ri[r, R_W_LS]
+    i = ri[r, R_W_HEAD] if ls else ri[r, R_WH_BE]
+    free = ci[C_CAPACITY] - ri[r, R_USED]
+    taken, tokens, reserved = 0, 0, 0
+    for _ in range(n_wait):  # the dry run
+        if taken >= max_seqs:
+            break
+        n = REQ[i, Q_PROMPT]
+        if tokens + n > budget and (taken > 0 or not alone):
+            break
+        need = reserved + n + REQ[i, Q_OUT]
+        if need > free:
+            break
+        taken += 1
+        tokens += n
+        reserved = need
+        i = SI[i, S_NXT]
+    for k in range(taken):  # take them, admit them: their reservation, their gaps' room
+        if ls:
+            i = ri[r, R_W_HEAD]
+            ri[r, R_W_HEAD] = SI[i, S_NXT]
+            ri[r, R_W_LS] -= 1
+        else:
+            i = ri[r, R_WH_BE]
+            ri[r, R_WH_BE] = SI[i, S_NXT]
+        ri[r, R_W_N] -= 1
+        charge = REQ[i, Q_PROMPT] + REQ[i, Q_OUT]
+        ri[r, R_W_RESERVED] -= charge
+        ri[r, R_USED] += charge
+        if ri[r, R_USED] > ri[r, R_PEAK]:
+            ri[r, R_PEAK] = ri[r, R_USED]
+        SI[i, S_OFF] = g[G_TOP]
+        g[G_TOP] += REQ[i, Q_OUT] - 1
+        lists[r, BATCH, k0 + k] = i
+    return taken
+
+
+@njit(cache=True)
+def _take_ready(ri, lists, r, ls, k0, most):
+    """Up to ``most`` sequences from the head of a class's decode queue into the batch from
+    position k0; returns how many."""
+    width = lists.shape[2]
+    row, head, count = (READY, R_RH_LS, R_READY_LS) if ls else (READY_BE, R_RH_BE, R_RN_BE)
+    n = max(0, min(most, ri[r, count]))
+    h = ri[r, head]
+    for k in range(n):
+        lists[r, BATCH, k0 + k] = lists[r, row, (h + k) % width]
+    ri[r, head] = (h + n) % width
+    ri[r, count] -= n
+    ri[r, R_N_READY] -= n
+    return n
+
+
+@njit(cache=True)
+def _select_alg1(g, ci, ri, lists, REQ, SI, r):
+    """Algorithm1.select without the starvation guard or eviction (R_PHASE: 0 nothing, 1 a
+    prefill, 2 a decode, 3 the suspended batch resumes). A batch without LS work starts
+    (steps 5-7) only when no batch is suspended, so at most one ever is."""
+    size, budget = ci[C_MAX_BATCH], ci[C_MAX_PREFILL]
+    slots = ci[C_MAX_IN_FLIGHT] - _in_flight(ri, r)
+    ri[r, R_PHASE] = 0
+    if ri[r, R_READY_LS] >= size:  # 1. a full batch of LS decodes
+        n = _take_ready(ri, lists, r, True, 0, size)
+        ri[r, R_N_BATCH], ri[r, R_PHASE], ri[r, R_HAS_LS] = n, 2, 1
+        return DONE
+    if ri[r, R_W_LS] > 0 and slots > 0:  # 2. LS prefills, filled with BE prompts
+        most = min(size, slots)
+        n = _take_prefill(g, ci, ri, lists, REQ, SI, r, True, 0, most, budget, True)
+        if n:
+            room = most - n
+            if ci[C_FILL] and room > 0:
+                used = 0
+                for k in range(n):
+                    used += REQ[lists[r, BATCH, k], Q_PROMPT]
+                n += _take_prefill(g, ci, ri, lists, REQ, SI, r, False, n, room, budget - used,
+                                   False)  # fmt: skip
+            ri[r, R_N_BATCH], ri[r, R_PHASE], ri[r, R_HAS_LS] = n, 1, 1
+            return DONE
+    if ri[r, R_READY_LS] > 0:  # 4. LS decodes, filled with BE decodes
+        n = _take_ready(ri, lists, r, True, 0, ri[r, R_READY_LS])
+        n += _take_ready(ri, lists, r, False, n, size - n)
+        ri[r, R_N_BATCH], ri[r, R_PHASE], ri[r, R_HAS_LS] = n, 2, 1
+        return DONE
+    if ri[r, R_S_N]:  # 5. the suspended batch
+        ri[r, R_PHASE] = 3
+        return DONE
+    room = min(size - ri[r, R_RN_BE], slots)  # 6. BE prefills while decode batches are short
+    if room > 0 and (ci[C_REFILL] or ri[r, R_RN_BE] == 0):
+        n = _take_prefill(g, ci, ri, lists, REQ, SI, r, False, 0, room, budget, True)
+        if n:
+            ri[r, R_N_BATCH], ri[r, R_PHASE], ri[r, R_HAS_LS] = n, 1, 0
+            return DONE
+    n = _take_ready(ri, lists, r, False, 0, size)  # 7. BE decodes
+    if n:
+        ri[r, R_N_BATCH], ri[r, R_PHASE], ri[r, R_HAS_LS] = n, 2, 0
+    return DONE
+
+
+@njit(cache=True)
+def _plan(g, gf, ci, cf, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, PF, PS, PB, ET, r,
           given):  # fmt: skip
-    """LatencyModel.plan of replica r's batch and the timeout to its end (``given``: the
-    experts' summed time is gf[GF_SUM], computed by Python)."""
+    """LatencyModel.plan of replica r's batch: its total and stage times in rf[r] (``given``:
+    the experts' summed time is gf[GF_SUM], computed by Python, and their times ET[r])."""
     size = ri[r, R_N_BATCH]
     decode = ri[r, R_PHASE] == 2
     if decode:
@@ -501,7 +869,7 @@ def _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, 
     if given:
         esum = gf[GF_SUM]
     else:
-        status, esum = _experts(g, ci, cf, ri, BEY, EXP, PC, PF, PS, PB, r, tokens)
+        status, esum = _experts(g, ci, cf, ri, BEY, EXP, PC, PF, PS, PB, ET, r, tokens)
         if status != DONE:
             g[G_PENDING_MODE] = 2
             return status
@@ -533,15 +901,14 @@ def _plan(g, gf, ci, cf, H, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, 
         if size < ci[C_MEMO_SIZE]:
             MEMO[OVERHEAD, size], MEMO[LM_HEAD, size] = overhead, lm_head
     layers = ci[C_LAYERS] * (attention + router)
-    total = overhead + (layers + esum) + lm_head
-    now = gf[GF_NOW]
-    rf[r, RF_START] = now
-    schedule(g, H, now + total, NORMAL, EV_ITER, r)
+    rf[r, RF_TOTAL] = overhead + (layers + esum) + lm_head
+    rf[r, RF_OV], rf[r, RF_ATT], rf[r, RF_RT], rf[r, RF_LM] = overhead, attention, router, lm_head
+    ri[r, R_NEW_TOKENS] = tokens
     return DONE
 
 
 @njit(cache=True)
-def _experts(g, ci, cf, ri, BEY, EXP, PC, PF, PS, PB, r, tokens):
+def _experts(g, ci, cf, ri, BEY, EXP, PC, PF, PS, PB, ET, r, tokens):
     """(status, the experts' summed stage time) of one iteration of ``tokens`` tokens on
     replica r, as LatencyModel.experts draws them: a pick of the pool of that many tokens,
     or q picks of the largest pool and one of the remainder's, summed
@@ -558,6 +925,7 @@ def _experts(g, ci, cf, ri, BEY, EXP, PC, PF, PS, PB, r, tokens):
             g[G_NEED] = 1
             return NEED_PICKS, 0.0
         ri[r, R_TAKEN] = taken + 1
+        ri[r, R_EPOOL], ri[r, R_EPICK] = tokens, PB[r, taken]
         return DONE, PS[r, tokens, PB[r, taken]]
     q, rem = tokens // largest, tokens % largest
     if not PF[r, largest, 0] or (rem and not PF[r, rem, 0]):
@@ -589,11 +957,18 @@ def _experts(g, ci, cf, ri, BEY, EXP, PC, PF, PS, PB, r, tokens):
             times[e] = cf[CF_GRID_Y] + cf[CF_SLOPE] * (x - cf[CF_GRID_X])
             if math.isnan(BEY[r, col]) or x > BEY[r, col]:
                 BEY[r, col] = x
+    ri[r, R_EPOOL] = -1
+    if (ci[C_GRAN] > G_ITERATION and not ri[r, R_HAS_LS]
+            and (ri[r, R_PHASE] == 2 or ci[C_PREEMPT_PREFILL])):  # fmt: skip
+        # the stage times, for a preemption inside the iteration (of a batch without LS
+        # work: the only kind preempted; a prefill only under preempt_prefill)
+        for e in range(width):
+            ET[r, e] = times[e]
     return DONE, pairwise_sum(times, 0, width)
 
 
 @njit(cache=True)
-def _complete(g, ri, lists, REQ, SI, SF, arena, fin, TL, now, r):
+def _complete(g, ci, ri, lists, REQ, SI, SF, arena, fin, TL, now, r):
     """Scheduler.complete_iteration and the policy's on_complete; the finished requests go
     to fin[] and the timeline, as the executor's on_finish calls after the iteration."""
     prefill = ri[r, R_PHASE] == 1
@@ -618,10 +993,19 @@ def _complete(g, ri, lists, REQ, SI, SF, arena, fin, TL, now, r):
             g[G_FIN] += 1
             ri[r, R_IN_SYS] -= 1
             finished += 1
-        else:
+        elif ci[C_POLICY] == 0:
             lists[r, READY, n_ready] = i
             n_ready += 1
             ri[r, R_READY_LS] += REQ[i, Q_LS]
+        else:  # Algorithm 1: its class's decode queue, in the order tokens were produced
+            width = lists.shape[2]
+            if REQ[i, Q_LS]:
+                lists[r, READY, (ri[r, R_RH_LS] + ri[r, R_READY_LS]) % width] = i
+                ri[r, R_READY_LS] += 1
+            else:
+                lists[r, READY_BE, (ri[r, R_RH_BE] + ri[r, R_RN_BE]) % width] = i
+                ri[r, R_RN_BE] += 1
+            n_ready += 1
     ri[r, R_N_READY] = n_ready
     ri[r, R_N_BATCH] = 0
     ri[r, R_ITERS] += 1
@@ -652,19 +1036,32 @@ def gather(arena, SI, lengths, which):
 
 @njit(cache=True)
 def compact(g, ci, ri, lists, REQ, SI, arena):
-    """Move the gap slices of the requests in flight (ready or in a batch) to the arena's
-    start, in their order there, and free the rest (finished requests were handed over)."""
+    """Move the gap slices of the requests in flight (decode-ready, in a batch, suspended)
+    to the arena's start, in their order there, and free the rest (finished requests were
+    handed over)."""
+    width = lists.shape[2]
     n = 0
     for r in range(ci[C_REPLICAS]):
-        n += ri[r, R_N_READY] + ri[r, R_N_BATCH]
+        n += ri[r, R_N_READY] + ri[r, R_N_BATCH] + ri[r, R_S_N]
     live = np.empty(n, dtype=np.int64)
     k = 0
     for r in range(ci[C_REPLICAS]):
-        for j in range(ri[r, R_N_READY]):
-            live[k] = lists[r, READY, j]
-            k += 1
+        if ci[C_POLICY] == 0:
+            for j in range(ri[r, R_N_READY]):
+                live[k] = lists[r, READY, j]
+                k += 1
+        else:
+            for j in range(ri[r, R_READY_LS]):
+                live[k] = lists[r, READY, (ri[r, R_RH_LS] + j) % width]
+                k += 1
+            for j in range(ri[r, R_RN_BE]):
+                live[k] = lists[r, READY_BE, (ri[r, R_RH_BE] + j) % width]
+                k += 1
         for j in range(ri[r, R_N_BATCH]):
             live[k] = lists[r, BATCH, j]
+            k += 1
+        for j in range(ri[r, R_S_N]):
+            live[k] = lists[r, SUSPENDED, j]
             k += 1
     starts = np.empty(n, dtype=np.int64)
     for j in range(n):

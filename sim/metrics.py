@@ -258,11 +258,12 @@ class Records:
                     arrival_s: np.ndarray, prompt_tokens: np.ndarray,
                     output_tokens: np.ndarray, first_token_s: np.ndarray,
                     finish_s: np.ndarray, itl_max_s: np.ndarray, replica: np.ndarray,
-                    gaps: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:  # fmt: skip
+                    gaps: dict[str, tuple[np.ndarray, np.ndarray]],
+                    preemptions: np.ndarray) -> None:  # fmt: skip
         """``add`` of finished requests given as columns (the compiled executor's), in the
-        order they finished: ``source`` indexes ``self.sources``' keys; no preemptions,
-        recomputes or swaps; ``gaps[cls]``: (the class's gaps one request after another,
-        their counts), as ``GapStats.add_many`` takes them."""
+        order they finished: ``source`` indexes ``self.sources``' keys; no recomputes or
+        swaps; ``gaps[cls]``: (the class's gaps one request after another, their counts), as
+        ``GapStats.add_many`` takes them."""
 
         def put(a: array, values: np.ndarray) -> None:
             a.frombytes(_raw(np.asarray(values, dtype=a.typecode)))
@@ -278,7 +279,8 @@ class Records:
         put(self.finish_s, finish_s)
         put(self.itl_max_s, np.where(output_tokens > 1, itl_max_s, math.nan))
         zeros = np.zeros(n, dtype=np.int64)
-        for a in (self.preemptions, self.recomputes, self.swaps):
+        put(self.preemptions, preemptions)
+        for a in (self.recomputes, self.swaps):
             put(a, zeros)
         put(self.replica, replica)
         for cls, (values, lengths) in gaps.items():

@@ -53,6 +53,22 @@ CASES = {
     # prefill attention one prompt at a time
     "conv-per-prompt": [*CONV, "workload.num_requests=300",
                         "profile.prefill_attention=per_prompt"],
+    # Algorithm 1 and its preemptive forms: LS arrivals suspend BE batches inside iterations
+    "qllm": [*CONV, "workload.num_requests=600", "workload.rate=2", "workload.ls_fraction=0.1",
+             "policy=qllm"],
+    "layer": [*CONV, "workload.num_requests=600", "workload.rate=2",
+              "workload.ls_fraction=0.1", "policy=layer"],
+    "qllm-router": [*CONV, "workload.num_requests=300", "policy=qllm",
+                    "policy.preempt_prefill=false"],
+    "alg1": [*CONV, "workload.num_requests=300", "policy=alg1"],
+    "qllm-in-flight": [*CONV, "workload.num_requests=300", "policy=qllm",
+                       "policy.max_in_flight=32"],
+    "qllm-literal": [*CONV, "workload.num_requests=400", "workload.ls_fraction=0.3",
+                     "policy=qllm", "policy.fill_be_prefill=false", "policy.refill_be=false"],
+    "qllm-paper": ["workload=paper", "workload.num_requests=300", "workload.rate=6",
+                   "policy=qllm"],
+    "qllm-cluster": [*CONV, "workload.num_requests=600", "workload.rate=9", "policy=qllm",
+                     "cluster.replicas=3", "cluster.router=ls_first"],
 }  # fmt: skip
 
 
@@ -90,6 +106,36 @@ def test_compiled_gives_every_request_the_simpy_executors_results(case):
     assert_same(fast, run(overrides, "simpy"), stepping)
     assert_same(fast, stepping)
     assert fast.summary["completed"] == len(fast.requests) > 0
+    if case in ("qllm", "layer", "qllm-router", "qllm-cluster"):
+        assert fast.result.preemptions > 0  # the comparison covers suspended batches
+
+
+def test_a_resume_that_an_arrival_catches_in_its_switch(tmp_path, monkeypatch):
+    """A profile whose context switch takes 3 s: LS work arrives while a suspended batch is
+    being restored, and the executor runs it to its next preemptible boundary at once
+    (``Simulation._to_next_allowed``) on both executors alike."""
+    from dataclasses import replace
+
+    from sim import profiles
+    from sim.engine import Simulation
+
+    base = profiles.load("h200-mixtral-bf16")
+    points = [replace(p, median_ms=3000.0, p90_ms=3000.0) if p.op == "preempt_switch" else p
+              for p in base.points]  # fmt: skip
+    path = replace(base, points=points).save(tmp_path / "slow-switch")
+    overrides = [*CONV, f"profile.path={path}", "policy=qllm", "workload.num_requests=600",
+                 "workload.rate=2", "workload.ls_fraction=0.1"]  # fmt: skip
+    calls = []
+    original = Simulation._to_next_allowed
+
+    def counted(self, *args):
+        calls.append(1)
+        return (yield from original(self, *args))
+
+    monkeypatch.setattr(Simulation, "_to_next_allowed", counted)
+    fast, stepping = run(overrides), run([*overrides, "fast_forward=false"], "simpy")
+    assert calls and fast.result.preemptions > 0
+    assert_same(fast, stepping, stepping)
 
 
 def test_the_cases_cover_what_they_claim():
@@ -162,9 +208,11 @@ def test_a_request_that_cannot_fit_is_refused_alike():
 
 
 @pytest.mark.parametrize("overrides,what", [
-    (["policy=qllm"], "policy qllm"),
+    (["policy=priority"], "policy priority"),
     (["policy=vllm", "memory.model=paged"], "policy vllm"),
     (["memory.model=paged"], "memory.model=paged"),
+    (["policy=qllm", "policy.merge=true"], "policy.merge=True"),
+    (["policy=qllm", "policy.be_max_wait_s=2"], "policy.be_max_wait_s=2"),
 ])  # fmt: skip
 def test_what_it_does_not_run_is_refused_in_one_line(overrides, what):
     with pytest.raises(UserError) as e:
@@ -250,7 +298,7 @@ def test_auto_runs_compiled_where_it_can_and_simpy_elsewhere():
     iteration = run([*CONV, "workload.num_requests=60"], "auto")
     assert iteration.summary["executor"]["core"] == "compiled"
     assert_same(iteration, run([*CONV, "workload.num_requests=60"], "simpy"))
-    qllm = run([*CONV, "workload.num_requests=60", "policy=qllm"], "auto")
-    assert qllm.summary["executor"]["core"] == "simpy"
+    other = run([*CONV, "workload.num_requests=60", "policy=priority"], "auto")
+    assert other.summary["executor"]["core"] == "simpy"
     kept = run([*CONV, "workload.num_requests=60"], "auto", keep_sequences=True)
     assert kept.summary["executor"]["core"] == "simpy" and len(kept.result.sequences) == 60
