@@ -222,7 +222,7 @@ def main() -> None:
         "--core",
         choices=["simpy", "compiled"],
         default="simpy",
-        help="--trace: the SimPy executor or the compiled loop (iteration only)",
+        help="--trace: the SimPy executor or the compiled loop (iteration, qllm)",
     )
     args = ap.parse_args()
     if args.trace:

@@ -3,11 +3,13 @@
 The SimPy executor (sim/engine.py) runs any policy; this one runs the policies it knows,
 written again on typed arrays, and gives every request the same times and token gaps to the
 bit (tests/test_compiled.py compares the two on several configurations), some 10 to 50 times
-faster. It covers, for now: policy ``iteration`` (TGI's router, any of its settings: also
-``tgi-0.3``) under ``memory.model=reserve``, on any number of replicas behind any router,
-with a profile without ``wake_up``, ``attn_decode_bind``, measured prompts' routing or a
-split per-prompt prefill attention. Anything else is refused in one line that names what is
-not covered (``core=simpy`` runs it).
+faster. It covers, for now: policies ``iteration`` (TGI's router, any of its settings: also
+``tgi-0.3``) and ``alg1``, ``layer``, ``qllm`` (Algorithm 1, preempting inside iterations for
+the latter two; not the starvation guard, ``evict_be_for_ls`` or ``merge``) under
+``memory.model=reserve``, on any number of replicas behind any router, with a profile
+without ``wake_up``, ``attn_decode_bind``, measured prompts' routing or a split per-prompt
+prefill attention. Anything else is refused in one line that names what is not covered
+(``core=simpy`` runs it).
 
 The latency model's random routing stays in Python: the loop hands back to the replica's own
 ``LatencyModel`` and ``RoutingModel`` whenever a pool of routing samples is to be built or a

@@ -1,8 +1,9 @@
 """The compiled executor's loop (numba): ``core=compiled`` (sim/compiled.py drives it).
 
 It replays what the SimPy executor (sim/engine.py, stepping every iteration) and the cluster
-(sim/cluster.py) do for the policies it covers (``iteration``: TGI's router, under
-``reserve`` memory), on typed arrays instead of Python objects: the same events in the same
+(sim/cluster.py) do for the policies it covers (``iteration``: TGI's router; Algorithm 1:
+``alg1``, ``layer``, ``qllm``; under ``reserve`` memory), on typed arrays instead of Python
+objects: the same events in the same
 order (SimPy's: time, then priority, then the order they were scheduled in), the same float
 operations in the same order, so every request's times and token gaps come out to the bit
 (tests/test_compiled.py compares them). What needs the routing model's random generator (a

@@ -302,3 +302,22 @@ def test_auto_runs_compiled_where_it_can_and_simpy_elsewhere():
     assert other.summary["executor"]["core"] == "simpy"
     kept = run([*CONV, "workload.num_requests=60"], "auto", keep_sequences=True)
     assert kept.summary["executor"]["core"] == "simpy" and len(kept.result.sequences) == 60
+
+
+def test_a_capacity_search_finds_the_same_table_on_either_core(tmp_path, capsys):
+    """qllm-plan with core=compiled (iteration and qllm: both on the compiled core) writes
+    the table a search on SimPy writes, figure for figure."""
+    import pandas as pd
+
+    import sim.plan as plan
+
+    tables = {}
+    for core in ("compiled", "simpy"):
+        out = tmp_path / core
+        args = ["--replicas", "1", "2", "--policies", "iteration", "qllm", "--rate-lo", "0.5",
+                "--min-requests", "100", "--horizon-s", "25", "--jobs", "1", "--rel-tol", "0.5",
+                "--target-rate", "3", "--out", str(out), *CONV[:-1], f"core={core}"]  # fmt: skip
+        assert plan.main(args) == 0
+        tables[core] = [pd.read_csv(out / name) for name in ("plan.csv", "target.csv")]
+    for a, b in zip(tables["compiled"], tables["simpy"], strict=True):
+        pd.testing.assert_frame_equal(a, b)
