@@ -394,7 +394,7 @@ def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF,
         _launch(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _launch(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r):
     """A fresh batch, planned, starts: one timeout to its end, or (a policy that preempts
     inside an iteration) ``_begin``'s lookup."""
@@ -472,7 +472,7 @@ def _wants(ci, cf, ri, REQ, r):
     return ri[r, R_USED] + need <= ci[C_CAPACITY]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _in_flight(ri, r):
     """Algorithm1.in_flight without the running batch: decode-ready and suspended."""
     return ri[r, R_N_READY] + ri[r, R_S_N]
@@ -854,7 +854,7 @@ def _select_alg1(g, ci, ri, lists, REQ, SI, r):
     return DONE
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _plan(g, gf, ci, cf, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, PF, PS, PB, ET, r,
           given):  # fmt: skip
     """LatencyModel.plan of replica r's batch: its total and stage times in rf[r] (``given``:
@@ -908,7 +908,7 @@ def _plan(g, gf, ci, cf, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, PF,
     return DONE
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _experts(g, ci, cf, ri, BEY, EXP, PC, PF, PS, PB, ET, r, tokens):
     """(status, the experts' summed stage time) of one iteration of ``tokens`` tokens on
     replica r, as LatencyModel.experts draws them: a pick of the pool of that many tokens,
@@ -968,7 +968,7 @@ def _experts(g, ci, cf, ri, BEY, EXP, PC, PF, PS, PB, ET, r, tokens):
     return DONE, pairwise_sum(times, 0, width)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _complete(g, ci, ri, lists, REQ, SI, SF, arena, fin, TL, now, r):
     """Scheduler.complete_iteration and the policy's on_complete; the finished requests go
     to fin[] and the timeline, as the executor's on_finish calls after the iteration."""
