@@ -3,9 +3,10 @@
 The SimPy executor (sim/engine.py) runs any policy; this one runs the policies it knows,
 written again on typed arrays, and gives every request the same times and token gaps to the
 bit (tests/test_compiled.py compares the two on 21 configurations), 15 to 20 times faster on
-the conversation trace (README, "Benchmarks"). It covers, for now: policies ``iteration`` (TGI's router, any of its settings: also
-``tgi-0.3``) and ``alg1``, ``layer``, ``qllm`` (Algorithm 1, preempting inside iterations for
-the latter two; not the starvation guard, ``evict_be_for_ls`` or ``merge``) under
+the conversation trace (README, "Benchmarks"). It covers, for now: policies ``iteration``
+(TGI's router, any of its settings: also ``tgi-0.3``) and ``alg1``, ``layer``, ``qllm``
+(Algorithm 1, preempting inside iterations for the latter two; not the starvation guard,
+``evict_be_for_ls`` or ``merge``) under
 ``memory.model=reserve``, on any number of replicas behind any router, with a profile
 without ``wake_up``, ``attn_decode_bind``, measured prompts' routing or a split per-prompt
 prefill attention. Anything else is refused in one line that names what is not covered
