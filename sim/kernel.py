@@ -724,16 +724,8 @@ def _select(g, ci, cf, ri, lists, REQ, SI, r):
                 for k in range(taken):
                     i = ri[r, R_W_HEAD]
                     ri[r, R_W_HEAD] = SI[i, S_NXT]
-                    ri[r, R_W_N] -= 1
                     ri[r, R_W_LS] -= REQ[i, Q_LS]
-                    charge = REQ[i, Q_PROMPT] + REQ[i, Q_OUT]
-                    ri[r, R_W_RESERVED] -= charge
-                    ri[r, R_USED] += charge
-                    if ri[r, R_USED] > ri[r, R_PEAK]:
-                        ri[r, R_PEAK] = ri[r, R_USED]
-                    SI[i, S_OFF] = g[G_TOP]
-                    g[G_TOP] += REQ[i, Q_OUT] - 1
-                    lists[r, BATCH, k] = i
+                    _admit_seq(g, ri, lists, REQ, SI, r, i, k)
                 ri[r, R_N_BATCH] = taken
                 ri[r, R_PHASE] = 1
                 ri[r, R_DECODE_NEXT] = 1 if n_ready > 0 else 0
@@ -781,16 +773,23 @@ def _take_prefill(g, ci, ri, lists, REQ, SI, r, ls, k0, max_seqs, budget, alone)
         else:
             i = ri[r, R_WH_BE]
             ri[r, R_WH_BE] = SI[i, S_NXT]
-        ri[r, R_W_N] -= 1
-        charge = REQ[i, Q_PROMPT] + REQ[i, Q_OUT]
-        ri[r, R_W_RESERVED] -= charge
-        ri[r, R_USED] += charge
-        if ri[r, R_USED] > ri[r, R_PEAK]:
-            ri[r, R_PEAK] = ri[r, R_USED]
-        SI[i, S_OFF] = g[G_TOP]
-        g[G_TOP] += REQ[i, Q_OUT] - 1
-        lists[r, BATCH, k0 + k] = i
+        _admit_seq(g, ri, lists, REQ, SI, r, i, k0 + k)
     return taken
+
+
+@njit(cache=True)
+def _admit_seq(g, ri, lists, REQ, SI, r, i, k):
+    """Scheduler.admit of request i, taken out of its waiting FIFO, into position k of the
+    batch: its reservation (prompt + output), and room for its gaps in the arena."""
+    ri[r, R_W_N] -= 1
+    charge = REQ[i, Q_PROMPT] + REQ[i, Q_OUT]
+    ri[r, R_W_RESERVED] -= charge
+    ri[r, R_USED] += charge
+    if ri[r, R_USED] > ri[r, R_PEAK]:
+        ri[r, R_PEAK] = ri[r, R_USED]
+    SI[i, S_OFF] = g[G_TOP]
+    g[G_TOP] += REQ[i, Q_OUT] - 1
+    lists[r, BATCH, k] = i
 
 
 @njit(cache=True)
