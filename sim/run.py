@@ -177,6 +177,8 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
         reason = unsupported(scheds, latencies)
         if reason is None and (record_trace or keep_sequences):
             reason = "a run that records a trace or keeps its sequences"
+        if reason is None and cfg.boundary_mode != "lookup":  # it steps iterations, not stages
+            reason = f"boundary_mode={cfg.boundary_mode}"
         if reason is not None and core == "compiled":
             raise UserError(f"core=compiled: does not run {reason}; core=simpy does")
         core = "simpy" if reason is not None else "compiled"

@@ -222,6 +222,15 @@ def test_what_it_does_not_run_is_refused_in_one_line(overrides, what):
     assert "core=simpy" in message and "\n" not in message
 
 
+def test_boundary_mode_step_is_refused_and_auto_runs_it_on_simpy():
+    """Stepping every stage boundary counts an event per stage: the compiled core steps
+    iterations, so it would report another count; it refuses rather than mislabel it."""
+    with pytest.raises(UserError, match="core=compiled: does not run boundary_mode=step"):
+        run([*CONV, "workload.num_requests=20", "boundary_mode=step"])
+    auto = run([*CONV, "workload.num_requests=20", "boundary_mode=step"], "auto")
+    assert auto.summary["executor"]["core"] == "simpy"
+
+
 def test_a_run_that_keeps_its_sequences_is_refused():
     with pytest.raises(UserError, match="keeps its sequences"):
         run([*CONV, "workload.num_requests=20"], keep_sequences=True)

@@ -200,8 +200,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     kv = {g["value"]: g["n"] for g in groups if g["by"] == "decode KV"}
     assert kv == {"bound": decode["bound"].sum(), "reused": (~decode["bound"]).sum()}
     assert everything["time_error_pct"] == pytest.approx(
-        100 * (segments["predicted_s"].sum() / segments["measured_s"].sum() - 1), rel=1e-4
-    )
+        100 * (segments["predicted_s"].sum() / segments["measured_s"].sum() - 1), abs=0.01
+    )  # the csv keeps 6 significant digits (an error near 0 makes a relative bound fail)
     for policy in ("fcfs", "qllm"):
         for rate in rates:
             got = {(r["cls"], r["metric"]) for r in records
