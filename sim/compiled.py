@@ -20,6 +20,8 @@ block of picks drawn, so the draws are the SimPy executor's, in its order.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -122,6 +124,25 @@ def _unpack_beyond(curves: list[Curve1D | Curve2D], cv: np.ndarray, bey: np.ndar
         if isinstance(curve, Curve2D) and not math.isnan(x):
             if curve.beyond_batch is None or x > curve.beyond_batch:
                 curve.beyond_batch = float(x)
+
+
+_NOTED = []
+
+
+def _note_first_compile() -> None:
+    """Say so on stderr when the loop is about to be compiled for this machine (no cache
+    yet: about a minute, once), so that a first run does not look hung. numba's cache
+    index is an internal detail: if it cannot be read, nothing is said."""
+    if _NOTED:
+        return
+    _NOTED.append(True)
+    try:
+        index = K.run._cache._cache_file._index_path
+    except AttributeError:
+        return
+    if not os.path.exists(index):
+        print("note: core=compiled: compiling the loop for this machine (about a minute, "
+              "once; cached in sim/__pycache__)", file=sys.stderr)  # fmt: skip
 
 
 def _columns(requests: Iterable[Request] | Workload, ordered: bool):
@@ -313,6 +334,7 @@ class CompiledCluster:
             self.on_finished(len(which))
 
     def run(self) -> ClusterResult:
+        _note_first_compile()
         wall = time.perf_counter()
         g, replicas = self.g, len(self.scheds)
         # SimPy's start: the arrival process, then each executor, at time 0 (urgent)

@@ -330,3 +330,17 @@ def test_a_capacity_search_finds_the_same_table_on_either_core(tmp_path, capsys)
         tables[core] = [pd.read_csv(out / name) for name in ("plan.csv", "target.csv")]
     for a, b in zip(tables["compiled"], tables["simpy"], strict=True):
         pd.testing.assert_frame_equal(a, b)
+
+
+def test_a_first_compile_is_announced_once(monkeypatch, capsys):
+    """No cache for this machine yet: one line says the loop is being compiled (a minute),
+    so a first run does not look hung; said once per process, and not with a cache."""
+    monkeypatch.setattr(compiled, "_NOTED", [])
+    monkeypatch.setattr(compiled.os.path, "exists", lambda path: False)
+    compiled._note_first_compile()
+    compiled._note_first_compile()
+    assert capsys.readouterr().err.count("compiling the loop for this machine") == 1
+    monkeypatch.setattr(compiled, "_NOTED", [])
+    monkeypatch.setattr(compiled.os.path, "exists", lambda path: True)
+    compiled._note_first_compile()
+    assert capsys.readouterr().err == ""
