@@ -351,7 +351,7 @@ def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF,
             _begin(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r)
             continue
         elif kind == EV_INTERRUPT:
-            _interrupt(g, gf, ci, H, ri, rf, EXP, PC, OFF, ET, r)
+            _interrupt(g, gf, ci, cf, H, ri, rf, EXP, PC, OFF, ET, r)
             continue
         elif kind == EV_BOUNDARY:
             ri[r, R_EVENTS] += 1
@@ -417,7 +417,7 @@ def _begin(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r):
     cursor = ri[r, R_CURSOR]
     end = ci[C_STAGES]
     if ri[r, R_W_LS] and not ri[r, R_HAS_LS] and _wants(ci, cf, ri, REQ, r):
-        _offsets(ci, ri, rf, EXP, PC, OFF, ET, r)
+        _offsets(ci, cf, ri, rf, EXP, PC, OFF, ET, r)
         start = now - OFF[r, 0, cursor]
         target = _allowed_after(ci, cursor)
         ahead = target >= 0
@@ -479,7 +479,7 @@ def _in_flight(ri, r):
 
 
 @njit(cache=True)
-def _offsets(ci, ri, rf, EXP, PC, OFF, ET, r):
+def _offsets(ci, cf, ri, rf, EXP, PC, OFF, ET, r):
     """Plan.offsets of the running batch in OFF[r, 0] (np.cumsum's sums, in its order; the
     last is the plan's total), if not there yet."""
     if ri[r, R_OFF_OK]:
@@ -500,9 +500,9 @@ def _offsets(ci, ri, rf, EXP, PC, OFF, ET, r):
         OFF[r, 0, k + 1] = acc
         k += 2
         for e in range(experts):
-            if pool >= 0:  # a pool sample's times are the table's at its counts (<= 64)
+            if pool >= 0:  # a pool sample's times: _expert_times at its counts (<= 64)
                 c = PC[r, pool, pick, layer * experts + e]
-                t = EXP[c] if c <= last else np.nan
+                t = EXP[c] if c <= last else cf[CF_GRID_Y] + cf[CF_SLOPE] * (c - cf[CF_GRID_X])
             else:
                 t = ET[r, layer * experts + e]
             acc += t
@@ -513,12 +513,12 @@ def _offsets(ci, ri, rf, EXP, PC, OFF, ET, r):
 
 
 @njit(cache=True)
-def _interrupt(g, gf, ci, H, ri, rf, EXP, PC, OFF, ET, r):
+def _interrupt(g, gf, ci, cf, H, ri, rf, EXP, PC, OFF, ET, r):
     """An arrival interrupted the iteration: run to the next preemptible boundary at or
     after the time elapsed (``Plan.next_boundary``) and suspend there, or to the end."""
     now = gf[GF_NOW]
     elapsed = rf[r, RF_LOOK_OFF] + (now - rf[r, RF_START])
-    _offsets(ci, ri, rf, EXP, PC, OFF, ET, r)
+    _offsets(ci, cf, ri, rf, EXP, PC, OFF, ET, r)
     b = _allowed_after(ci, 0)
     while b >= 0 and OFF[r, 0, b] < elapsed:
         b = _allowed_after(ci, b)

@@ -344,3 +344,20 @@ def test_a_first_compile_is_announced_once(monkeypatch, capsys):
     monkeypatch.setattr(compiled.os.path, "exists", lambda path: True)
     compiled._note_first_compile()
     assert capsys.readouterr().err == ""
+
+
+def test_a_suspended_batch_on_a_short_expert_grid(tmp_path):
+    """An expert grid that ends at 2 tokens, below the routing pools' counts: a suspended
+    batch's stage offsets take the pool samples' extrapolated expert times, as the latency
+    model's _expert_times gives them."""
+    from dataclasses import replace
+
+    base = linear_profile(expert_ms=20.0)
+    points = [p for p in base.points if not (p.op == "expert" and p.num_tokens > 2)]
+    path = replace(base, points=points).save(tmp_path / "short-experts")
+    overrides = [*CONV[:-1], "workload.num_requests=300", f"profile.path={path}",
+                 "policy=qllm", "policy.fill_be_prefill=false", "workload.rate=0.5",
+                 "workload.ls_fraction=0.1"]  # fmt: skip
+    fast, stepping = run(overrides), run([*overrides, "fast_forward=false"], "simpy")
+    assert fast.result.preemptions > 0 and fast.extrapolated
+    assert_same(fast, stepping, stepping)
