@@ -217,7 +217,6 @@ class CompiledCluster:
         ci[K.C_CAPACITY] = cap
         lat = latencies[0]
         ci[K.C_LAYERS] = lat.routing.num_layers
-        ci[K.C_POOL] = lat.routing.pool_size
         ci[K.C_POOLED_MAX] = lat.routing.POOLED_MAX_TOKENS
         ci[K.C_PER_PROMPT] = not lat.prefill_batched
         ci[K.C_SWITCH] = lat.switch is not None

@@ -98,7 +98,8 @@ S_FIRST, S_LAST, S_FIN, S_ITL = 0, 1, 2, 3  # first, last token, finish; largest
 
 # --- config ci[...], cf[...]
 C_REPLICAS, C_ROUTER, C_LS_REPLICAS, C_MAX_BATCH, C_MAX_PREFILL = 0, 1, 2, 3, 4
-C_MAX_WAITING, C_MAX_TOTAL, C_CAPACITY, C_LAYERS, C_POOL, C_POOLED_MAX = 5, 6, 7, 8, 9, 10
+C_MAX_WAITING, C_MAX_TOTAL, C_CAPACITY, C_LAYERS = 5, 6, 7, 8
+C_POOLED_MAX = 10  # (9 is unused)
 C_PER_PROMPT, C_FLUSH_EVERY, C_ARENA_FREE = 11, 12, 13
 # MEMO[c, x] (NaN: not yet) holds curve c at x below these: its grid's end, or MEMO's width
 C_MEMO_ROUTER, C_MEMO_SIZE = 14, 15
