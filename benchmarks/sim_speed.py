@@ -81,16 +81,17 @@ def run_loop(cfg, requests, progress: bool = False) -> tuple[float, float, int]:
     cluster = Cluster(requests, replicas, router, env, on_finish=finished,
                       ordered=isinstance(requests, Workload))  # fmt: skip
     wall, cpu = time.perf_counter(), time.process_time()
-    result = cluster.run().result
+    cluster.run()
     bar.close()
-    return time.perf_counter() - wall, time.process_time() - cpu, result.events
+    return time.perf_counter() - wall, time.process_time() - cpu, cluster.heap_events
 
 
 def _run_compiled(cfg, profile, requests, progress: bool) -> tuple[float, float, int]:
     """``run_loop`` with ``core=compiled``: its setup (the requests as columns, the
     loop's arrays) and loop (``CompiledCluster.run``), finished requests folded into records
-    as ``simulate`` does. The first run in a process also loads the compiled code (about a
-    second; some 40 s the first time on a machine, to compile it)."""
+    as ``simulate`` does; the events it counts are those its loop took off its heap. The
+    first run in a process also loads the compiled code (about a second; some 40 s the first
+    time on a machine, to compile it). ``cfg.fast_forward``: its decode runs, on or off."""
     from sim.compiled import CompiledCluster
 
     n = cfg.cluster.replicas
@@ -101,10 +102,11 @@ def _run_compiled(cfg, profile, requests, progress: bool) -> tuple[float, float,
     cluster = CompiledCluster(requests, scheds, latencies, cfg.cluster.router,
                               cfg.cluster.ls_replicas, Records(replica_order=True),
                               ordered=isinstance(requests, Workload),
-                              on_finished=bar.update)  # fmt: skip
-    result = cluster.run().result
+                              on_finished=bar.update,
+                              decode_runs=cfg.fast_forward)  # fmt: skip
+    cluster.run()
     bar.close()
-    return time.perf_counter() - wall, time.process_time() - cpu, result.events
+    return time.perf_counter() - wall, time.process_time() - cpu, cluster.heap_events
 
 
 def scheduler_share(cfg, requests) -> tuple[float, float, float]:
@@ -151,20 +153,24 @@ def trace_speed(args) -> None:
             cfg.core = args.core
             if compiled:
                 run_loop(cfg, requests)  # loads (or compiles) the loop's code, untimed
-            for fast_forward in (True,) if compiled else (True, False):
+            for fast_forward in (True, False):
                 cfg.fast_forward = fast_forward
                 runs = [run_loop(cfg, requests) for _ in range(args.repeats)]
                 n = len(requests)
                 wall = sorted(n / r[0] for r in runs)
                 cpu = sorted(n / r[1] for r in runs)
+                # the compiled loop's fast-forward is its decode runs; its events, those it
+                # took off its heap (its results count stepping's, as SimPy's do)
+                mode = "decode_runs" if compiled else "fast_forward"
                 print(f"trace={args.trace} requests={n} policy={policy} "
                       f"memory={cfg.memory.model} core={args.core} "
-                      f"fast_forward={str(fast_forward).lower() if not compiled else 'n/a'} "
+                      f"{mode}={str(fast_forward).lower()} "
                       f"requests_per_cpu_s={statistics.median(cpu):.1f} "
                       f"spread={cpu[0]:.1f}-{cpu[-1]:.1f} "
                       f"requests_per_s={statistics.median(wall):.1f} "
                       f"spread={wall[0]:.1f}-{wall[-1]:.1f} "
-                      f"events_per_request={runs[0][2] / n:.2f}", flush=True)  # fmt: skip
+                      f"{'heap_' if compiled else ''}events_per_request={runs[0][2] / n:.2f}",
+                      flush=True)  # fmt: skip
                 if fast_forward:
                     reached[policy] = statistics.median(cpu)
             if compiled:

@@ -49,6 +49,7 @@ NO_SWITCH = Curve1D([OpPoint("preempt_switch", num_tokens=1, median_ms=0.0, p90_
 FLUSH_EVERY = 8192  # finished requests handed to Python at a time
 PICKS_AHEAD = 1 << 16  # routing picks drawn at a time
 MEMO_WIDTH = 8192  # inputs of the one-key curves remembered
+RUN_BUFFER = 512  # a decode run's iteration ends held before they are applied
 
 
 def unsupported(scheds: list[Scheduler], latencies: list[LatencyModel]) -> str | None:
@@ -174,15 +175,18 @@ class CompiledCluster:
     finish, as the SimPy executor's ``on_finish`` adds them. ``on_finished(k)``: called
     after every batch of k requests folded (a progress bar). ``watch``: as ``simulate``'s,
     fed each finished request (``finished_values``); the run stops once it has a
-    ``reason``."""
+    ``reason``. ``decode_runs`` (config ``fast_forward``): the loop's decode runs (see
+    sim/kernel.py's ``run``), which change no result; False steps every iteration's work."""
 
     def __init__(self, requests: Iterable[Request] | Workload, scheds: list[Scheduler],
                  latencies: list[LatencyModel], router: str, ls_replicas: int,
                  records: Records, ordered: bool = False,
-                 on_finished: Callable[[int], None] | None = None, watch=None) -> None:  # fmt: skip
+                 on_finished: Callable[[int], None] | None = None, watch=None,
+                 decode_runs: bool = True) -> None:  # fmt: skip
         self.scheds, self.latencies, self.records = scheds, latencies, records
         self.on_finished, self.watch = on_finished, watch
         self.stopped = False
+        self.heap_events = self.run_iterations = 0  # set by run (see _result)
         (self.ids, self.arrival, self.prompt, self.output, self.is_ls, codes,
          names) = _columns(requests, ordered)  # fmt: skip
         # Records' own source codes for ours
@@ -224,6 +228,7 @@ class CompiledCluster:
         ci[K.C_EXPERTS] = experts
         ci[K.C_STAGES] = 2 + lat.routing.num_layers * (2 + experts)
         ci[K.C_FLUSH_EVERY] = 256 if watch is not None else FLUSH_EVERY
+        ci[K.C_RUNS] = decode_runs
         gaps = int((self.output - 1).sum())
         # an event admits at most a replica's capacity of gaps; what is in flight at most
         # every replica's capacity: room for both, twice the latter so compaction is rare
@@ -271,6 +276,7 @@ class CompiledCluster:
         stages = int(ci[K.C_STAGES]) + 1 if ci[K.C_GRAN] > K.G_ITERATION else 1
         self.OFF = np.zeros((replicas, 2, stages))
         self.ET = np.zeros((replicas, width_e if ci[K.C_GRAN] > K.G_ITERATION else 1))
+        self.RUNT = np.zeros((replicas, RUN_BUFFER))  # a decode run's ends not yet applied
         for r in range(replicas):
             self._sync_pools(r)
             self._sync_picks(r)
@@ -344,7 +350,8 @@ class CompiledCluster:
             status = K.run(g, self.gf, self.ci, self.cf, self.H, self.ri, self.rf, self.lists,
                            self.arrival, self.REQ, self.SI, self.SF, self.arena, self.fin,
                            self.TL, self.CF, self.CV, self.BEY, self.MEMO, self.EXP, self.PC,
-                           self.PF, self.PS, self.PB, self.OFF, self.ET)  # fmt: skip
+                           self.PF, self.PS, self.PB, self.OFF, self.ET,
+                           self.RUNT)  # fmt: skip
             if status == K.DONE:
                 self._flush()
                 break
@@ -421,7 +428,11 @@ class CompiledCluster:
     def _result(self, wall_s: float) -> ClusterResult:
         g, ri = self.g, self.ri
         n = int(g[K.G_NEXT]) if self.stopped else len(self.ids)
+        # stepping's events (the result's, as SimPy's executor counts them without
+        # fast-forward); the loop took fewer off its heap, and ran some iterations as runs
         events = int(g[K.G_ARR_EVENTS] + ri[:, K.R_EVENTS].sum())
+        self.heap_events = int(g[K.G_POPS])
+        self.run_iterations = int(ri[:, K.R_RUN_ITERS].sum())
         result = SimResult(sequences=[], makespan_s=float(self.gf[K.GF_MAKESPAN]) if not
                            self.stopped else float(self.gf[K.GF_NOW]), events=events,
                            wall_s=wall_s, iterations=int(ri[:, K.R_ITERS].sum()),

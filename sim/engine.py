@@ -20,7 +20,10 @@ before the first iteration whose new KV blocks would not fit (stepping preempts 
 blocks are charged as stepping charges them, at each iteration's selection, when anyone reads
 memory during the run (an arrival, a router: ``sync_run``), else in bulk at its end. Events
 then grow with completions and the arrivals that change a decision, and every per-request
-result equals the iteration-by-iteration path's (tests/test_fast_forward.py).
+result equals the iteration-by-iteration path's (tests/test_fast_forward.py), but for exact
+ties on several replicas: an arrival at the very float at which another replica's run ends
+comes after that end here (the run's timeout was scheduled when it started) and may come
+before it in stepping; measured profile times and timestamps do not tie so.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ G_RR = 10  # round robin's next replica
 G_TOP = 11  # the gap arena's first free slot
 G_FLUSHED = 12  # fin[] up to here was handed to Python
 G_NEED = 13  # picks needed (NEED_PICKS)
-G_SIZE = 14
+G_POPS = 14  # events taken off the heap (a decode run's iterations mostly skip it)
+G_SIZE = 15
 
 # --- global float state gf[...]
 GF_NOW, GF_MAKESPAN, GF_SUM = 0, 1, 2  # GF_SUM: the experts' time Python computed
@@ -78,7 +79,14 @@ R_S_N, R_S_PHASE, R_S_CURSOR, R_S_NEW, R_S_HAS_LS, R_S_HELD = 30, 31, 32, 33, 34
 # an arrival may interrupt the iteration; the iteration end's tag; the boundary the run
 # after an interrupt stops at and whether it suspends there; preemptions so far
 R_INTERRUPTIBLE, R_TAG, R_BOUNDARY, R_SUSPENDS, R_PREEMPTS = 36, 37, 38, 39, 40
-R_SIZE = 41
+# a decode run (see run): whether the batch's next selection repeats it until an arrival
+# to this replica; iterations until one of its sequences finishes (this one counted); the
+# longest context (prompt + generated) as of the iteration running; iterations ended whose
+# per-sequence updates wait in RUNT[r] (their end times); iterations so run, in all; the
+# batch's LS sequences, reservation, and (TGI) the size of the join its selection dry-runs
+R_RUN, R_RUN_LEFT, R_KV, R_DEFER, R_RUN_ITERS, R_RUN_LS, R_RUN_RESERVED = range(41, 48)
+R_RUN_TAKEN = 48
+R_SIZE = 49
 ST_NEW, ST_RUNNING, ST_WAITING, ST_WAKING, ST_DONE = range(5)
 READY, BATCH, READY_BE, SUSPENDED = 0, 1, 2, 3  # lists[r, ...]: READY is alg1's LS ring
 
@@ -99,7 +107,7 @@ S_FIRST, S_LAST, S_FIN, S_ITL = 0, 1, 2, 3  # first, last token, finish; largest
 # --- config ci[...], cf[...]
 C_REPLICAS, C_ROUTER, C_LS_REPLICAS, C_MAX_BATCH, C_MAX_PREFILL = 0, 1, 2, 3, 4
 C_MAX_WAITING, C_MAX_TOTAL, C_CAPACITY, C_LAYERS = 5, 6, 7, 8
-C_POOLED_MAX = 10  # (9 is unused)
+C_RUNS, C_POOLED_MAX = 9, 10  # whether decode batches run as decode runs (see run)
 C_PER_PROMPT, C_FLUSH_EVERY, C_ARENA_FREE = 11, 12, 13
 # MEMO[c, x] (NaN: not yet) holds curve c at x below these: its grid's end, or MEMO's width
 C_MEMO_ROUTER, C_MEMO_SIZE = 14, 15
@@ -309,9 +317,18 @@ def _pop(g, H):
 # -------------------------------------------------------------------------------- the loop
 @njit(cache=True)
 def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF, CV, BEY, MEMO,
-        EXP, PC, PF, PS, PB, OFF, ET):  # fmt: skip
+        EXP, PC, PF, PS, PB, OFF, ET, RUNT):  # fmt: skip
     """Process events until the run ends (DONE), an error, or Python is needed (a pool, a
-    block of picks, or a flush of finished requests: FLUSH); call again to go on."""
+    block of picks, or a flush of finished requests: FLUSH); call again to go on.
+
+    Decode runs: when a decode batch is selected that the policy would select again and
+    again until one of its sequences finishes or a request arrives at its replica
+    (``_run_left``), the iterations before that end skip the per-sequence work stepping
+    does at each end (``_complete``, the selection, the context's maximum): their end times
+    wait in RUNT[r] and ``_materialise`` applies them, gap by gap as ``_complete`` would,
+    before anything reads or moves the batch's sequences (an iteration that does not
+    repeat the run, a boundary). Every event still happens in SimPy's order, each iteration
+    planned with its own draws, so results stay equal to the bit."""
     spare = H.shape[0] - 1
     while True:
         if g[G_PENDING] >= 0:  # a batch selected before we returned waits for its plan
@@ -327,6 +344,7 @@ def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF,
         if g[G_HEAP] == 0:
             return DONE
         _pop(g, H)
+        g[G_POPS] += 1
         t, kind, r = H[spare, H_T], int(H[spare, H_K]), int(H[spare, H_R])
         gf[GF_NOW] = t
         if kind == EV_ARRIVAL_INIT or kind == EV_ARRIVAL:
@@ -341,6 +359,44 @@ def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF,
             ri[r, R_EVENTS] += 1
             ri[r, R_INTERRUPTIBLE] = 0
             rf[r, RF_BUSY] += t - rf[r, RF_START]
+            launched = False
+            while (not launched and ri[r, R_RUN] and ri[r, R_RUN_LEFT] > 1
+                   and (ci[C_POLICY] or _tgi_decodes(ci, cf, ri, r))):  # fmt: skip
+                # a decode run goes on: no one finishes, the selection gives the same batch
+                d = ri[r, R_DEFER]
+                if d == RUNT.shape[1]:
+                    _materialise(ri, lists, SI, SF, arena, RUNT, r)
+                    d = 0
+                RUNT[r, d] = t
+                ri[r, R_DEFER] = d + 1
+                ri[r, R_RUN_ITERS] += 1
+                ri[r, R_RUN_LEFT] -= 1
+                ri[r, R_ITERS] += 1
+                ri[r, R_WAITING_TOKENS] += 1
+                ri[r, R_KV] += 1
+                status = _plan(g, gf, ci, cf, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP,
+                               PC, PF, PS, PB, ET, r, False)  # fmt: skip
+                if status != DONE:
+                    g[G_PENDING] = r
+                    return status
+                end = t + (rf[r, RF_TOTAL] - 0.0)  # as _launch (or _begin, from cursor 0)
+                if (g[G_HEAP] and end >= H[0, H_T]) or (
+                    ri[r, R_W_LS] and not ri[r, R_HAS_LS] and _wants(ci, cf, ri, REQ, r)
+                ):
+                    _launch(g, gf, ci, cf, H, ri, rf, REQ, EXP, PC, OFF, ET, r)
+                    launched = True
+                else:  # no other event comes first: the iteration's end, as _launch
+                    g[G_EID] += 1  # schedules it and the pop gives it, without the heap
+                    rf[r, RF_START], rf[r, RF_LOOK_OFF] = t, 0.0
+                    ri[r, R_CURSOR], ri[r, R_OFF_OK] = 0, 0
+                    t = end
+                    gf[GF_NOW] = t
+                    ri[r, R_EVENTS] += 1
+                    rf[r, RF_BUSY] += t - rf[r, RF_START]
+            if launched:
+                continue
+            if ri[r, R_DEFER]:
+                _materialise(ri, lists, SI, SF, arena, RUNT, r)
             _complete(g, ci, ri, lists, REQ, SI, SF, arena, fin, TL, t, r)
         elif kind == EV_WAKE:
             ri[r, R_EVENTS] += 1
@@ -357,6 +413,8 @@ def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF,
         elif kind == EV_BOUNDARY:
             ri[r, R_EVENTS] += 1
             rf[r, RF_BUSY] += t - rf[r, RF_START]
+            if ri[r, R_DEFER]:
+                _materialise(ri, lists, SI, SF, arena, RUNT, r)
             if ri[r, R_SUSPENDS]:
                 ri[r, R_CURSOR] = ri[r, R_BOUNDARY]
                 status = _suspend(g, cf, ri, rf, lists, REQ, SI, OFF, r)
@@ -372,6 +430,8 @@ def run(g, gf, ci, cf, H, ri, rf, lists, req_t, REQ, SI, SF, arena, fin, TL, CF,
         if status != DONE:
             return status
         phase = ri[r, R_PHASE]
+        ri[r, R_RUN_LEFT] = _run_left(ci, ri, lists, REQ, SI, r) if phase == 2 else 0
+        ri[r, R_RUN] = ri[r, R_RUN_LEFT] > 1
         if phase == 0:  # nothing to run
             if g[G_ARRIVALS_DONE]:
                 if ri[r, R_IN_SYS]:
@@ -666,6 +726,8 @@ def _admit(g, ci, cf, H, ri, REQ, SI, TL, now, i):
     ri[r, R_W_LS] += ls
     ri[r, R_W_RESERVED] += reserved
     ri[r, R_IN_SYS] += 1
+    if ri[r, R_RUN] and not _repeats(ci, ri, REQ, SI, r):  # the run ends with this iteration
+        ri[r, R_RUN] = 0
     if ri[r, R_STATE] == ST_WAITING:
         schedule(g, H, now, NORMAL, EV_WAKE, r)
         ri[r, R_STATE] = ST_WAKING
@@ -699,22 +761,7 @@ def _select(g, ci, cf, ri, lists, REQ, SI, r):
                 for k in range(n_ready):
                     q = lists[r, READY, k]
                     budget -= REQ[q, Q_PROMPT] + REQ[q, Q_OUT]
-            free = ci[C_CAPACITY] - ri[r, R_USED]
-            taken, tokens, reserved = 0, 0, 0
-            i = ri[r, R_W_HEAD]
-            for _ in range(ri[r, R_W_N]):  # take_prefill's dry run
-                if taken >= room:
-                    break
-                n = REQ[i, Q_PROMPT]
-                if tokens + n > ci[C_MAX_PREFILL] and taken > 0:
-                    break
-                need = reserved + n + REQ[i, Q_OUT]
-                if need > budget or need > free:
-                    break
-                taken += 1
-                tokens += n
-                reserved = need
-                i = SI[i, S_NXT]
+            taken = _tgi_dry_run(ci, ri, REQ, SI, r, room, budget)
             if n_ready == 0 and taken == 0:
                 head = ri[r, R_W_HEAD]
                 total = REQ[head, Q_PROMPT] + REQ[head, Q_OUT]
@@ -741,6 +788,29 @@ def _select(g, ci, cf, ri, lists, REQ, SI, r):
     ri[r, R_READY_LS] = 0
     ri[r, R_PHASE] = 2
     return DONE
+
+
+@njit(cache=True)
+def _tgi_dry_run(ci, ri, REQ, SI, r, room, budget):
+    """TGI's take_prefill dry run: how many from the head of the waiting FIFO a join
+    would take, within ``room`` sequences, the prefill tokens, ``budget`` and memory."""
+    free = ci[C_CAPACITY] - ri[r, R_USED]
+    taken, tokens, reserved = 0, 0, 0
+    i = ri[r, R_W_HEAD]
+    for _ in range(ri[r, R_W_N]):
+        if taken >= room:
+            break
+        n = REQ[i, Q_PROMPT]
+        if tokens + n > ci[C_MAX_PREFILL] and taken > 0:
+            break
+        need = reserved + n + REQ[i, Q_OUT]
+        if need > budget or need > free:
+            break
+        taken += 1
+        tokens += n
+        reserved = need
+        i = SI[i, S_NXT]
+    return taken
 
 
 @njit(cache=True)
@@ -875,10 +945,14 @@ def _plan(g, gf, ci, cf, ri, rf, lists, REQ, SI, CF, CV, BEY, MEMO, EXP, PC, PF,
             g[G_PENDING_MODE] = 2
             return status
     if decode:
-        kv = 0
-        for k in range(size):
-            q = lists[r, BATCH, k]
-            kv = max(kv, REQ[q, Q_PROMPT] + SI[q, S_GEN])
+        if ri[r, R_DEFER]:  # a decode run: its sequences' counts wait, the maximum is kept
+            kv = ri[r, R_KV]
+        else:
+            kv = 0
+            for k in range(size):
+                q = lists[r, BATCH, k]
+                kv = max(kv, REQ[q, Q_PROMPT] + SI[q, S_GEN])
+            ri[r, R_KV] = kv
         attention = curve(CF, CV, BEY, ATTN_DECODE, r, size, kv - 1)
     elif ci[C_PER_PROMPT]:
         attention = 0.0
@@ -966,6 +1040,100 @@ def _experts(g, ci, cf, ri, BEY, EXP, PC, PF, PS, PB, ET, r, tokens):
         for e in range(width):
             ET[r, e] = times[e]
     return DONE, pairwise_sum(times, 0, width)
+
+
+@njit(cache=True)
+def _run_left(ci, ri, lists, REQ, SI, r):
+    """The decode batch just selected on replica r, as a run: the iterations until one of
+    its sequences finishes (this one counted), if the policy would select exactly this
+    batch again after each of them, as long as nothing it reads changes (``_repeats``);
+    else 0. Keeps what ``_repeats`` needs of the batch (R_RUN_LS, R_RUN_RESERVED)."""
+    if not ci[C_RUNS] or ri[r, R_N_READY]:  # not every decode-ready sequence is in it
+        return 0
+    left, reserved, n_ls = NO_CAP, 0, 0
+    for k in range(ri[r, R_N_BATCH]):
+        i = lists[r, BATCH, k]
+        left = min(left, REQ[i, Q_OUT] - SI[i, S_GEN])
+        reserved += REQ[i, Q_PROMPT] + REQ[i, Q_OUT]
+        n_ls += REQ[i, Q_LS]
+    ri[r, R_RUN_LS], ri[r, R_RUN_RESERVED] = n_ls, reserved
+    return left if left > 1 and _repeats(ci, ri, REQ, SI, r) else 0
+
+
+@njit(cache=True)
+def _repeats(ci, ri, REQ, SI, r):
+    """Whether the selection after the end of replica r's decode batch (every decode-ready
+    sequence in it, none of it finishing) gives the batch back, as long as nothing else
+    changes: the waiting requests it looks at cannot be admitted. Under TGI's rules, a
+    join that takes fewer than its minimum size waits until the waiting-tokens counter
+    lowers that minimum (R_RUN_TAKEN: the join's size; ``_tgi_decodes`` asks at each end).
+    Only an arrival at the replica (``_admit`` asks again) or a finish (which ends the
+    run) changes the rest."""
+    n, n_ls = ri[r, R_N_BATCH], ri[r, R_RUN_LS]
+    if ci[C_POLICY] == 0:  # _select after the batch's end, n ready, the last a decode
+        room = ci[C_MAX_BATCH] - n
+        taken = 0
+        if ri[r, R_W_N] > 0 and room > 0:
+            budget = ci[C_MAX_TOTAL]
+            if budget != NO_CAP:
+                budget -= ri[r, R_RUN_RESERVED]
+            taken = _tgi_dry_run(ci, ri, REQ, SI, r, room, budget)
+        ri[r, R_RUN_TAKEN] = taken
+        return True
+    # _select_alg1 with this batch decode-ready: steps 1, 4 and 7 give it back whole; steps
+    # 2 and 6 give a prefill when their queue's head fits (a first prompt goes alone)
+    size, free = ci[C_MAX_BATCH], ci[C_CAPACITY] - ri[r, R_USED]
+    slots = ci[C_MAX_IN_FLIGHT] - n - ri[r, R_S_N]
+    if n_ls >= size:
+        return True
+    if ri[r, R_W_LS] > 0 and slots > 0:
+        head = ri[r, R_W_HEAD]
+        if REQ[head, Q_PROMPT] + REQ[head, Q_OUT] <= free:
+            return False
+    if n_ls > 0:
+        return True
+    # (step 5 does not come into it: a batch without LS work is selected only when none is
+    # suspended, and none is while it runs: a suspension ends it)
+    if ci[C_REFILL] and min(size - n, slots) > 0 and ri[r, R_W_N] - ri[r, R_W_LS] > 0:
+        head = ri[r, R_WH_BE]
+        if REQ[head, Q_PROMPT] + REQ[head, Q_OUT] <= free:
+            return False
+    return True
+
+
+@njit(cache=True, inline="always")
+def _tgi_decodes(ci, cf, ri, r):
+    """Whether TGI's selection after this end of the decode run picks the decode again: its
+    join takes R_RUN_TAKEN, fewer than the minimum size at the counter's next value."""
+    taken = ri[r, R_RUN_TAKEN]
+    if taken == 0:
+        return True
+    if ri[r, R_WAITING_TOKENS] + 1 >= ci[C_MAX_WAITING]:
+        return False  # min size 1
+    return taken < max(1, int(math.floor(ri[r, R_N_BATCH] * cf[CF_RATIO])))
+
+
+@njit(cache=True)
+def _materialise(ri, lists, SI, SF, arena, RUNT, r):
+    """Apply the ended iterations of replica r's decode run that wait in RUNT[r] to its
+    batch's sequences, as ``_complete`` would have at each end: a token each, the gap
+    since the last (float32, from the same float64 ends), the largest gap, the last
+    token's time."""
+    m = ri[r, R_DEFER]
+    for k in range(ri[r, R_N_BATCH]):
+        i = lists[r, BATCH, k]
+        before, last, itl, off = SI[i, S_GEN], SF[i, S_LAST], SF[i, S_ITL], SI[i, S_OFF]
+        for j in range(m):
+            now = RUNT[r, j]
+            if before:
+                gap = np.float32(now - last)
+                arena[off + before - 1] = gap
+                if before == 1 or gap > itl:
+                    itl = gap
+            last = now
+            before += 1
+        SI[i, S_GEN], SF[i, S_LAST], SF[i, S_ITL] = before, last, itl
+    ri[r, R_DEFER] = 0
 
 
 @njit(cache=True, inline="always")

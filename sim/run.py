@@ -186,7 +186,8 @@ def simulate(cfg: Any, requests=None, record_trace: bool = False, keep_sequences
         cluster = CompiledCluster(requests, scheds, latencies, router_name,
                                   cluster_cfg.ls_replicas if cluster_cfg else 1, records,
                                   ordered=ordered, on_finished=bar.update if bar else None,
-                                  watch=watch)  # fmt: skip
+                                  watch=watch,
+                                  decode_runs=getattr(cfg, "fast_forward", True))  # fmt: skip
     else:
         env = simpy.Environment()
         replicas = [Simulation([], sched, latency, mode=cfg.boundary_mode,

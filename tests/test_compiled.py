@@ -172,6 +172,83 @@ def test_flushes_and_compactions_in_the_middle_of_a_run(monkeypatch):
     assert_same(fast, run(overrides, "simpy"))
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        "conv",
+        "conv-token-budget",
+        "conv-small-cache",
+        "paper",
+        "qllm",
+        "qllm-literal",
+        "qllm-in-flight",
+        "qllm-cluster",
+    ],
+)
+def test_decode_runs_change_no_result(case, monkeypatch):
+    """The loop's decode runs (``fast_forward``, on by default: an iteration's end that the
+    policy would follow with the same batch skips the per-request work and, when nothing
+    else comes first, the heap) give what stepping every iteration's work gives, to the
+    bit; with room for 3 ends, so the runs are applied in pieces too."""
+    seen = []
+    result = compiled.CompiledCluster._result
+
+    def kept(self, wall_s):
+        out = result(self, wall_s)
+        seen.append((self.run_iterations, self.heap_events))
+        return out
+
+    monkeypatch.setattr(compiled.CompiledCluster, "_result", kept)
+    monkeypatch.setattr(compiled, "RUN_BUFFER", 3)
+    runs, steps = run(CASES[case]), run([*CASES[case], "fast_forward=false"])
+    (ran, heap), (ran_off, heap_off) = seen
+    assert ran > 0.3 * runs.result.iterations and ran_off == 0  # the runs are exercised
+    assert heap < heap_off
+    assert_same(runs, steps, steps)
+
+
+@pytest.mark.parametrize("setting", [
+    ["policy=iteration"],
+    ["policy=iteration", "cluster.replicas=2", "cluster.router=least_outstanding"],
+    ["policy=qllm", "workload.ls_fraction=0.2"],
+    ["policy=qllm", "workload.ls_fraction=0.2", "cluster.replicas=2",
+     "cluster.router=ls_first"],
+])  # fmt: skip
+def test_events_at_the_same_time_are_ordered_alike(setting, tmp_path):
+    """Every stage time and arrival time a multiple of 2**-8 s, so the floats add up
+    exactly: iterations end at the very times requests arrive (and at one another's, and
+    arrivals come in twos), and the order of events at one time (SimPy's: priority, then
+    the order they were scheduled in) decides what the scheduler sees. The loop, its decode
+    runs and their shortcut past the heap, must order them as SimPy's stepping does.
+    (SimPy's own fast-forward does not, on several replicas: a run's last end is scheduled
+    when the run starts, so it comes before an arrival at that very time that stepping
+    would take first; README, "fast_forward".)"""
+    ms = 1000 * 2.0**-8  # the grid, in the profile's milliseconds (3.90625: a saved profile
+    # keeps 6 significant digits)
+    path = linear_profile(
+        attn_ms=ms,
+        router_ms=ms,
+        expert_ms=2 * ms,
+        expert_per_token_ms=0,
+        lm_head_ms=4 * ms,
+        overhead_ms=8 * ms,
+    ).save(tmp_path / "grid")
+    rng = np.random.default_rng(11)
+    n = 400
+    arrivals = np.cumsum(rng.integers(0, 64, n)) / 128
+    trace = tmp_path / "grid.csv"
+    prompts, outputs = rng.integers(8, 300, n), rng.integers(2, 30, n)
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" + "".join(
+        f"{a!r},{p},{d}\n" for a, p, d in zip(arrivals.tolist(), prompts, outputs,
+                                               strict=True)))  # fmt: skip
+    overrides = ["workload=trace", f"workload.path={trace}", f"profile.path={path}",
+                 f"workload.num_requests={n}", *setting]  # fmt: skip
+    fast, stepping = run(overrides), run([*overrides, "fast_forward=false"], "simpy")
+    assert_same(fast, stepping, stepping)
+    ends = set(fast.requests["finish_s"]) | set(fast.requests["first_token_s"])
+    assert len(ends & set(arrivals.tolist())) >= 5  # the ties are there
+
+
 def test_a_streamed_workload_and_a_list_give_the_same_run():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*CASES["conv"], "core=compiled"])
