@@ -81,9 +81,9 @@ def run_loop(cfg, requests, progress: bool = False) -> tuple[float, float, int]:
     cluster = Cluster(requests, replicas, router, env, on_finish=finished,
                       ordered=isinstance(requests, Workload))  # fmt: skip
     wall, cpu = time.perf_counter(), time.process_time()
-    cluster.run()
+    result = cluster.run().result
     bar.close()
-    return time.perf_counter() - wall, time.process_time() - cpu, cluster.heap_events
+    return time.perf_counter() - wall, time.process_time() - cpu, result.events
 
 
 def _run_compiled(cfg, profile, requests, progress: bool) -> tuple[float, float, int]:
