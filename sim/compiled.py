@@ -2,7 +2,7 @@
 
 The SimPy executor (sim/engine.py) runs any policy; this one runs the policies it knows,
 written again on typed arrays, and gives every request the same times and token gaps to the
-bit (tests/test_compiled.py compares the two on 20 configurations), 15 to 20 times faster on
+bit (tests/test_compiled.py compares the two on 20 configurations), about 20 times faster on
 the conversation trace (README, "Benchmarks"). It covers, for now: policies ``iteration``
 (TGI's router, any of its settings: also ``tgi-0.3``) and ``alg1``, ``layer``, ``qllm``
 (Algorithm 1, preempting inside iterations for the latter two; not the starvation guard,
