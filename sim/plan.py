@@ -384,6 +384,11 @@ def evaluate(task: tuple, targets: Targets | None = None) -> dict:
     # what the figures would lack, known before the run
     if not verdict.n_slo:  # a target no run can meet would report a capacity of 0 without a word
         raise UserError(no_slo_problem(cfg, len(workload)))
+    if cfg.workload.get("ls_fraction", 1.0) > 0 and not workload.is_ls.any():
+        # the LS target would pass untested (a p99 of no request), and a capacity come out high
+        raise UserError(f"--ls-ttft-p99-s: a run of {len(workload)} requests drew no LS "
+                        "request, so its LS TTFT p99 target would pass untested: raise "
+                        "--min-requests")  # fmt: skip
     if verdict.window is None:
         raise UserError(f"a run of {len(workload)} requests at {rate:g} req/s has no "
                         "window to measure keeps_up in: nine tenths of its arrivals or more "
@@ -946,6 +951,10 @@ def main(argv=None) -> int:
         fps, cfg = fingerprints(args.overrides, args.policies)
         if problem := slo_problem(cfg):  # before any run, not after a step of them
             raise UserError(problem)
+        if cfg.workload.get("ls_fraction", 1.0) == 0:
+            print(f"qllm-plan: note: workload.ls_fraction=0 makes no LS request: --ls-ttft-p99-s "
+                  f"{args.ls_ttft_p99_s:g} constrains nothing (--goodput and --keeps-up do)",
+                  file=sys.stderr)  # fmt: skip
         for line in ignored_keys(cfg):  # a router's keys: each run's router decides
             if not line.startswith("cluster."):
                 print(f"qllm-plan: warning: {line}", file=sys.stderr)

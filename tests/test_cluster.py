@@ -824,6 +824,20 @@ def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_pa
     assert not (tmp_path / "evaluations.csv").exists()  # refused before any run
 
 
+def test_plan_notes_that_an_ls_target_constrains_a_workload_without_ls_nothing(tmp_path,
+                                                                            capsys):  # fmt: skip
+    import sim.plan as plan
+
+    code = plan.main(["--replicas", "1", "--policies", "fcfs", "--jobs", "1", "--horizon-s", "2",
+                      "--rate-lo", "2", "--rel-tol", "0.5", "--min-requests", "10",
+                      "--out", str(tmp_path), "workload=synthetic", "workload.ls_fraction=0",
+                      "slo.be_ttft_s=60", "workload.output.tokens=4"])  # fmt: skip
+    assert code == 0
+    err = capsys.readouterr().err
+    assert ("qllm-plan: note: workload.ls_fraction=0 makes no LS request: --ls-ttft-p99-s "
+            "3 constrains nothing (--goodput and --keeps-up do)") in err, err
+
+
 @pytest.mark.parametrize("overrides, min_requests, said", [
     # refused before any run: no class has an SLO
     (["slo.ls_ttft_s=null"], "10",
@@ -833,6 +847,11 @@ def test_plan_refuses_a_workload_without_an_slo_instead_of_reporting_zero(tmp_pa
     (["workload.ls_fraction=0.01"], "5",
      "--goodput: a run of 5 requests drew no LS request, so none has an SLO: raise "
      "--min-requests (or set slo.be_ttft_s)"),
+    # BE has an SLO too, so the run has goodput; but its LS TTFT p99 target would pass
+    # untested (a capacity too high, without a word)
+    (["workload.ls_fraction=0.01", "slo.be_ttft_s=60"], "5",
+     "--ls-ttft-p99-s: a run of 5 requests drew no LS request, so its LS TTFT p99 target "
+     "would pass untested: raise --min-requests"),
 ])  # fmt: skip
 def test_plan_says_why_no_run_has_a_request_with_an_slo(tmp_path, capsys, overrides,
                                                          min_requests, said):  # fmt: skip
