@@ -1001,6 +1001,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)  # fmt: skip
     out = args.out or Path("results/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("plan.csv", "target.csv", "frontier.png"):  # an earlier search's, which an
+        (out / name).unlink(missing_ok=True)  # interrupted or failed one would leave standing
     cache = Evaluations(out / "evaluations.csv")
     if cache.set_aside is not None:
         print(f"qllm-plan: {out}/evaluations.csv is of an older layout (other columns): set "

@@ -857,12 +857,18 @@ def test_plan_says_why_no_run_has_a_request_with_an_slo(tmp_path, capsys, overri
                                                          min_requests, said):  # fmt: skip
     import sim.plan as plan
 
+    for name in ("plan.csv", "target.csv", "frontier.png"):  # an earlier search's outputs
+        (tmp_path / name).write_text("stale")
+
     code = plan.main(["--replicas", "1", "--policies", "qllm", "--jobs", "1", "--horizon-s", "1",
                       "--rate-lo", "1", "--min-requests", min_requests, "--out", str(tmp_path),
                       "workload=synthetic", *overrides, "workload.output.tokens=4"])  # fmt: skip
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"qllm-plan: error: {said}", err
+    if "slo.ls_ttft_s=null" not in overrides:  # refused in a run: none stands beside its runs
+        assert not any((tmp_path / n).exists() for n in ("plan.csv", "target.csv",
+                                                         "frontier.png"))  # fmt: skip
 
 
 # ------------------------------------------------------------------- streaming, bounded memory
