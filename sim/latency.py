@@ -541,12 +541,17 @@ class WakeUp:
     """The profile's ``wake_up``: per idle time (a row), the extra time still to come after
     some busy time, interpolated in both (linearly between rows; held at the last row beyond
     it: a device that has clocked down fully stays down). Past a row's last busy time nothing
-    is left, so a row of busy_ms = 0 alone is all charged to the first batch."""
+    is left, so a row of busy_ms = 0 alone is all charged to the first batch. A profile
+    without a row of idle_ms = 0 (a hand-made one: the profiler writes it) has nothing to
+    wake from after no idle time, so below its first row the cost falls linearly to 0 at
+    0 ms (its first row's cost was charged after any gap, however short)."""
 
     def __init__(self, points: list[OpPoint]) -> None:
         rows: dict[int, list[tuple[float, float]]] = defaultdict(list)
         for p in points:
             rows[p.idle_ms].append((p.busy_ms, p.median_ms))
+        if 0 not in rows:
+            rows[0].append((0.0, 0.0))
         self.idle_ms = sorted(rows)
         self.rows = [tuple(np.array(col) for col in zip(*sorted(rows[i]), strict=True))
                      for i in self.idle_ms]  # fmt: skip

@@ -317,6 +317,21 @@ def test_the_first_batch_after_an_idle_stretch_pays_the_profiles_wake_up():
     assert latency.wake_s(60.0) == pytest.approx(0.020) and latency.wake_s(0.0) == 0.0
 
 
+def test_a_wake_up_without_an_idle_0_row_costs_nothing_after_no_idle_time():
+    """A hand-made wake_up with rows from 100 ms of idle only: below it the cost falls
+    linearly to 0 at 0 ms (its first row was charged whole after a gap of 1 ms), as with
+    the idle 0 row the profiler writes."""
+    base = linear_profile()
+    wake = [OpPoint("wake_up", median_ms=20.0, idle_ms=100)]
+    latency = LatencyModel(replace(base, points=base.points + wake))
+    assert latency.wake_s(0.001) == pytest.approx(0.0002)
+    assert latency.wake_s(0.05) == pytest.approx(0.010)
+    assert latency.wake_s(0.0) == 0.0 and latency.wake_s(5.0) == pytest.approx(0.020)
+    with_zero = LatencyModel(replace(base, points=base.points + wake
+                                     + [OpPoint("wake_up", idle_ms=0)]))  # fmt: skip
+    assert with_zero.wake_s(0.05) == latency.wake_s(0.05)
+
+
 @pytest.mark.parametrize("fast_forward", [True, False])
 def test_a_wake_up_measured_by_busy_time_is_shared_by_the_batches_it_spans(fast_forward):
     """After 5 s idle, wake_up leaves 20 ms at 0 ms of work, 6 ms after 30 ms, none after 50
