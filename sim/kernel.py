@@ -9,7 +9,9 @@ operations in the same order, so every request's times and token gaps come out t
 (tests/test_compiled.py compares them). What needs the routing model's random generator (a
 pool not built yet, a block of picks) is handed back to Python, which calls the very
 ``RoutingModel`` and ``LatencyModel`` methods the SimPy executor calls, and the loop goes on
-where it stopped.
+where it stopped. Its own fast-forward, decode runs (``run``), skips work at an iteration's
+end that the policy would follow with the same batch, not events: the results stay
+stepping's, events and all.
 
 Everything here is a plain function of a few arrays (the layout is in the constants below,
 shared with sim/compiled.py): a call between compiled functions costs some 8 ns per array
