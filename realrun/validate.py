@@ -56,6 +56,7 @@ from tqdm import tqdm
 from policies.core import BE, LS, Batch, Phase, Request, Sequence
 from profiler.schema import GRID_KEYS, SettingsError, int_list
 from realrun.config import ClockKind, ValidateConfig, validate_engine, validate_shared
+from realrun.validation_table import ILL_CONDITIONED_PCT
 from sim.app import CONF_DIR  # registers the simulator's schema (base_config) that it composes
 from sim.cli import App, fail, run
 from sim.config import UserError, WorkloadConfig
@@ -95,6 +96,8 @@ def check(cfg: DictConfig) -> None:
         raise UserError(f"replays={cfg.replays}: must be >= 1")
     if not cfg.min_run_s >= 0:
         raise UserError(f"min_run_s={cfg.min_run_s}: must be >= 0")
+    if not 0 <= cfg.sensitivity_pct < 100:
+        raise UserError(f"sensitivity_pct={cfg.sensitivity_pct}: must be >= 0 and below 100")
     known = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
     for name in cfg.policies:
         if name not in known:
@@ -326,6 +329,8 @@ def records_of(
     adjusted: list[dict] | None = None,
     speeds: list[float] | None = None,
     windows: list[float] | None = None,
+    bounds: list[dict] | None = None,
+    sensitivity_pct: float | None = None,
 ) -> list[dict]:
     """Sim against the mean of the real replays, with the replays' spread (and the drift
     probe's change since the profile, timed after them; and the machine's duty-cycle
@@ -333,7 +338,10 @@ def records_of(
     profile scaled by that replay's measured speed (``speeds``, ``run_speed``): the
     diagnostic ``sim_speed_adjusted`` / ``speed_adjusted_error_pct`` (the mean over the
     replays against the real mean), which says what is left of the error once the machine's
-    mean speed during each real run is known; not a prediction."""
+    mean speed during each real run is known; not a prediction. ``bounds``: the simulator's
+    summaries with every iteration ``sensitivity_pct`` faster and slower: ``sim_faster``,
+    ``sim_slower`` and ``sim_sensitivity_pct``, the larger move from ``sim`` (in % of it),
+    the point's conditioning (``ILL_CONDITIONED_PCT``)."""
     rows = []
     counted = [f for real in reals
                if (f := real.get("executor", {}).get("page_faults")) is not None]  # fmt: skip
@@ -359,6 +367,12 @@ def records_of(
                     "speed_adjusted_error_pct": 100 * (a - r) / r if r else math.nan,
                     "run_speed_min": round(min(speeds), 3) if speeds else None,
                     "run_speed_max": round(max(speeds), 3) if speeds else None}  # fmt: skip
+        if bounds:
+            fast, slow = (math.nan if (v := get(b)) is None else v for b in bounds)
+            moved = max(abs(fast - s), abs(slow - s))
+            row |= {"sim_faster": fast, "sim_slower": slow,
+                    "speed_step_pct": sensitivity_pct,
+                    "sim_sensitivity_pct": 100 * moved / s if s else math.nan}  # fmt: skip
         p10, p90 = np.percentile(windows, [10, 90]) if windows else (None, None)
         row |= {"host_speed_p10": None if p10 is None else round(float(p10), 3),
                 "host_speed_p90": None if p90 is None else round(float(p90), 3)}  # fmt: skip
@@ -889,10 +903,17 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
             beyond += rerun.extrapolated
         sim = simulate(sims[policy], requests=workloads[i][0], warn=False)
         beyond += sim.extrapolated
+        bounds = []  # every iteration sensitivity_pct faster, then slower
+        for sign in (-1, 1) if cfg.sensitivity_pct else ():
+            scale = 1 + sign * cfg.sensitivity_pct / 100
+            moved = dataclasses.replace(profile, interference=profile.interference * scale)
+            bounds.append(simulate(sims[policy], requests=workloads[i][0], profile=moved,
+                                   warn=False).summary)  # fmt: skip
         drift = round(statistics.median(drifts[i]), 2) if drifts[i] else None
         records += records_of(policy, rate, load_label(u, cfg.utilizations),
                               [summary for summary, _ in reals[i]], sim.summary, drift,
-                              duty, adjusted, speeds, windows)  # fmt: skip
+                              duty, adjusted, speeds, windows, bounds,
+                              cfg.sensitivity_pct)  # fmt: skip
     if beyond:
         print(extrapolation_warning(profile.name, beyond), file=sys.stderr)
     (out / "validation.json").write_text(json.dumps(records, indent=1) + "\n")
@@ -910,14 +931,16 @@ def _pct(x: float | None) -> str:
 def table(records: list[dict]) -> str:
     lines = [f"{'policy':<10} {'rate':>7} {'load':<8} {'cls':<4} {'metric':<16} {'sim':>10} "
              f"{'real':>10} {'error%':>8} {'real cv%':>8} {'real min-max':>17} "
-             f"{'adj err%':>8}"]  # fmt: skip
+             f"{'adj err%':>8} {'sens%':>6}"]  # fmt: skip
     for r in records:
         adjusted = r.get("speed_adjusted_error_pct")
+        sens = r.get("sim_sensitivity_pct")
         lines.append(f"{r['policy']:<10} {r['rate']:>7g} {r['load']:<8} {r['cls']:<4} "
                      f"{r['metric']:<16} {r['sim']:>10.4f} {r['real']:>10.4f} "
                      f"{r['error_pct']:>8.1f} {_pct(r['real_cv_pct']):>8} "
                      f"{r['real_min']:>8.4f}-{r['real_max']:<8.4f} "
-                     f"{'' if adjusted is None else f'{adjusted:.1f}':>8}")  # fmt: skip
+                     f"{'' if adjusted is None else f'{adjusted:.1f}':>8} "
+                     f"{'' if sens is None else f'{sens:.1f}':>6}")  # fmt: skip
     speeds = [(r["run_speed_min"], r["run_speed_max"]) for r in records
               if r.get("run_speed_min") is not None]  # fmt: skip
     if speeds:
@@ -925,6 +948,11 @@ def table(records: list[dict]) -> str:
                      f"measured speed ({min(a for a, _ in speeds):.2f}x .. "
                      f"{max(b for _, b in speeds):.2f}x its prediction): a diagnostic of what "
                      f"the machine's speed explains, not a prediction")  # fmt: skip
+    moved = next((r["speed_step_pct"] for r in records if "speed_step_pct" in r), None)
+    if moved is not None:
+        lines.append(f"sens%: how far the simulator's figure moves with every iteration "
+                     f"{moved:g}% faster or slower (above {ILL_CONDITIONED_PCT:g}%: "
+                     f"ill-conditioned)")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -945,6 +973,20 @@ def iteration_table(groups: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def conditioning(records: list[dict]) -> str | None:
+    """How many per-class means are ill-conditioned, and the worst (None: not measured)."""
+    moved = [(r["sim_sensitivity_pct"], r) for r in records if r["cls"] != "all"
+             and math.isfinite(r.get("sim_sensitivity_pct", math.nan))]  # fmt: skip
+    if not moved:
+        return None
+    ill = [r for m, r in moved if m > ILL_CONDITIONED_PCT]
+    worst, r = max(moved, key=lambda x: x[0])
+    return (f"ill-conditioned: {len(ill)} of {len(moved)} per-class means move more than "
+            f"{ILL_CONDITIONED_PCT:g}% when every iteration is {r['speed_step_pct']:g}% "
+            f"faster or slower (worst {worst:.0f}%: {r['policy']} {r['load']} {r['cls']} "
+            f"{r['metric']})")  # fmt: skip
+
+
 def summary_line(records: list[dict]) -> str:
     """The worst and median per-class mean error, and how many points are within 10%."""
     errors = [abs(r["error_pct"]) for r in records
@@ -963,6 +1005,8 @@ def summary_line(records: list[dict]) -> str:
     if lows and highs:
         drift += (f"; host speed per second within runs (p10-p90 of the measured over the "
                   f"predicted time) {min(lows):.2f}x-{max(highs):.2f}x")  # fmt: skip
+    if line := conditioning(records):
+        drift += f"; {line}"
     adjusted = [abs(e) for r in records if r["cls"] != "all"
                 and math.isfinite(e := r.get("speed_adjusted_error_pct", math.nan))]  # fmt: skip
     if adjusted:

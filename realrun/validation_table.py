@@ -2,9 +2,11 @@
 DIR (``<DIR>/<model>-<device>/validation.json``, as ``make validate`` writes them): per model
 and load level, the clock the real runs were timed on (wall, or cpu: ``clock=cpu``), the worst
 and median per-class mean error, how many are within 10%, the throughput error, the real
-engine's own spread (the replays' worst CV), and the speed-adjusted diagnostic (how many
+engine's own spread (the replays' worst CV), the speed-adjusted diagnostic (how many
 per-class means are within 10% once each real run's measured speed scales the profile; "-"
-for validations written before it)."""
+for validations written before it), and how many per-class means are ill-conditioned (the
+simulator's figure moves more than 10% with every iteration ``sensitivity_pct`` faster or
+slower; "-" for validations written before it)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ import sys
 from pathlib import Path
 
 LOADS = ("light", "knee", "overload", "loaded")
+# A per-class mean that moves more than this (in %) when every iteration runs qllm-validate's
+# ``sensitivity_pct`` faster or slower is ill-conditioned: the goal's 10% bound.
+ILL_CONDITIONED_PCT = 10.0
 
 
 def clock_of(directory: Path) -> str:
@@ -44,10 +49,14 @@ def rows_of(name: str, records: list[dict], clock: str = "?") -> list[str]:
                     and math.isfinite(r.get("speed_adjusted_error_pct", math.nan))]  # fmt: skip
         adj = (f"{sum(e <= 10 for e in adjusted)} of {len(adjusted)}, median "
                f"{statistics.median(adjusted):.1f}%" if adjusted else "-")  # fmt: skip
+        moved = [r["sim_sensitivity_pct"] for r in point if r["cls"] != "all"
+                 and math.isfinite(r.get("sim_sensitivity_pct", math.nan))]  # fmt: skip
+        ill = (f"{sum(m > ILL_CONDITIONED_PCT for m in moved)} of {len(moved)}" if moved
+               else "-")  # fmt: skip
         rows.append(f"| {name} | {load} | {clock} | {max(errors):.1f}% "
                     f"| {statistics.median(errors):.1f}% "
                     f"| {within} of {len(errors)} | {min(thr):+.1f}% .. {max(thr):+.1f}% "
-                    f"| {f'{max(cvs):.1f}%' if cvs else '-'} | {adj} |")  # fmt: skip
+                    f"| {f'{max(cvs):.1f}%' if cvs else '-'} | {adj} | {ill} |")  # fmt: skip
     return rows
 
 
@@ -57,8 +66,9 @@ def table(root: Path) -> str:
         raise FileNotFoundError(f"no */validation.json under {root}")
     lines = ["| model | load | clock | worst per-class error | median | within 10% "
              "| throughput error | real replays' worst CV "
-             "| speed-adjusted within 10% (diagnostic) |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| speed-adjusted within 10% (diagnostic) "
+             "| ill-conditioned (sim moves >10%) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for path in found:
         records = json.loads(path.read_text())
         if not records or "load" not in records[0]:

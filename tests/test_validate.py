@@ -34,6 +34,7 @@ from realrun.validate import (
     CLASSES,
     PAGE_FAULT_WARNING,
     check,
+    conditioning,
     covering_grid,
     drift_warning,
     duty_warning,
@@ -128,9 +129,15 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
             "real_min", "real_max", "real_cv_pct", "real_page_faults",
             "probe_drift_pct", "duty_slowdown", "sim_speed_adjusted",
             "speed_adjusted_error_pct", "run_speed_min", "run_speed_max",
-            "host_speed_p10", "host_speed_p90"}  # fmt: skip
+            "host_speed_p10", "host_speed_p90",
+            "sim_faster", "sim_slower", "speed_step_pct", "sim_sensitivity_pct"}  # fmt: skip
     for r in records:
         assert set(r) == keys and r["cls"] in CLASSES
+        # the simulator again with every iteration 2% faster and slower (sensitivity_pct)
+        assert r["speed_step_pct"] == 2.0 and math.isfinite(r["sim_sensitivity_pct"])
+        assert r["sim_sensitivity_pct"] == pytest.approx(
+            100 * max(abs(r["sim_faster"] - r["sim"]), abs(r["sim_slower"] - r["sim"])) / r["sim"]
+        )
         # the diagnostic: the simulator rerun at each replay's measured speed
         assert 0 < r["run_speed_min"] <= r["run_speed_max"]
         assert r["speed_adjusted_error_pct"] == pytest.approx(
@@ -216,6 +223,7 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
      ("utilizations=[0]", "utilizations=[0.0]: need values > 0"),
      ("max_prompt_tokens=0", "max_prompt_tokens=0: must be >= 1"),
      ("min_run_s=-1", "min_run_s=-1.0: must be >= 0"),
+     ("sensitivity_pct=-2", "sensitivity_pct=-2.0: must be >= 0 and below 100"),
      ("workload.rate=99", "workload.rate=99.0: qllm-validate sets each point's rate"),
      # accepted before: the real runs timed 1 ms a stage against a wall-clock profile
      ("clock=virtual", "clock=virtual: the virtual clock charges every stage 1 ms")],
@@ -603,6 +611,36 @@ def test_the_speed_adjusted_diagnostic_compares_the_mean_rerun_with_the_real_mea
                          "within 10%")  # fmt: skip
     assert "adj err%" in table(records).splitlines()[0]
     assert "speed" not in summary_line(records_of("fcfs", 1.0, "light", reals, summary(0.8)))
+
+
+def test_a_point_whose_figure_moves_with_the_speed_is_called_ill_conditioned(tmp_path, capsys):
+    """sim_sensitivity_pct: the larger move of the simulator's figure with every iteration
+    sensitivity_pct faster or slower, in % of it; above 10% a per-class mean is counted
+    ill-conditioned in the summary line, the table and the validation table."""
+
+    def summary(ttft: float, turn: float = 2.0) -> dict:
+        return {"classes": {c: {"count": 2, "ttft_s": {"mean": ttft},
+                                "turnaround_s": {"mean": turn}} for c in CLASSES},
+                "throughput": {"jobs_per_s": 4.0}}  # fmt: skip
+
+    # BE prompts stop getting in beside LS work 2% faster: their TTFT jumps 3.6x
+    records = records_of("qllm", 9.0, "overload", [summary(0.06)], summary(0.2), bounds=[
+        summary(0.198, 1.9), summary(0.054, 2.1)], sensitivity_pct=2.0)  # fmt: skip
+    ttft = next(r for r in records if r["cls"] == "BE" and r["metric"] == "ttft_mean")
+    assert (ttft["sim_faster"], ttft["sim_slower"]) == (0.198, 0.054)
+    assert ttft["sim_sensitivity_pct"] == pytest.approx(73.0)
+    turn = next(r for r in records if r["cls"] == "BE" and r["metric"] == "turnaround_mean")
+    assert turn["sim_sensitivity_pct"] == pytest.approx(5.0)
+    assert conditioning(records) == (
+        "ill-conditioned: 2 of 4 per-class means move more than 10% when every iteration is 2% "
+        "faster or slower (worst 73%: qllm overload LS ttft_mean)")  # fmt: skip
+    assert conditioning(records) in summary_line(records)
+    assert "sens%" in table(records).splitlines()[0]
+    assert conditioning(records_of("qllm", 9.0, "overload", [summary(1.0)], summary(1.0))) is None
+    (tmp_path / "tiny-a-cpu").mkdir()
+    (tmp_path / "tiny-a-cpu" / "validation.json").write_text(json.dumps(records))
+    validation_table.main([str(tmp_path)])
+    assert capsys.readouterr().out.splitlines()[2].endswith("| 2 of 4 |")
 
 
 def test_simulate_runs_the_profile_it_is_given(tmp_path):
