@@ -834,8 +834,10 @@ def test_plan_notes_that_an_ls_target_constrains_a_workload_without_ls_nothing(t
                       "slo.be_ttft_s=60", "workload.output.tokens=4"])  # fmt: skip
     assert code == 0
     err = capsys.readouterr().err
-    assert ("qllm-plan: note: workload.ls_fraction=0 makes no LS request: --ls-ttft-p99-s "
-            "3 constrains nothing (--goodput and --keeps-up do)") in err, err
+    assert (
+        "qllm-plan: note: workload.ls_fraction=0 makes no LS request: --ls-ttft-p99-s "
+        "3 constrains nothing (--goodput and --keeps-up do)"
+    ) in err, err
 
 
 @pytest.mark.parametrize("overrides, min_requests, said", [
