@@ -79,7 +79,7 @@ step() {  # step NAME LIMIT_S JSON_FILE CMD...: run CMD under its limit, log to 
 
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu MODEL=tiny-mixtral NAME=tiny-mixtral-dry
-  VALIDATE_ARGS=(threads=1 workload.num_requests=8 utilizations=[1.0] replays=2 min_run_s=0
+  VALIDATE_ARGS=(threads=1 workload.num_requests=8 utilizations=[1.0] replays=2 min_run_s=0 max_run_s=0
     profile.wake.idle_ms=[5,50] profile.wake.repeats=1
     workload.prompt.tokens=16 workload.prompt.max=32 workload.output.tokens=4 workload.output.max=6
     profile.grid.prefill_tokens=[8,32] profile.grid.decode_batch=[1,4] profile.grid.decode_kv=[16,40]
@@ -93,11 +93,11 @@ else
   # Lengths of a chat-like mix, cut to fit: 24 requests, outputs ~16 tokens. Loads 0.6, 2 and 6
   # (of a one-request-at-a-time server): light (an idle H200 clocks down to 345 MHz: the
   # profile's wake_up), near the knee, overloaded; two real replays per point.
-  # min_run_s=0: the points keep 24 requests, as the check's time limits were sized for.
+  # min_run_s=0 max_run_s=0: the points keep 24 requests, as the check's time limits were sized for.
   # replays=1 (no noise floor; 2 profile passes): with 2 the step was estimated at 400-480 s
   # (run 2 took 284 s before the drift probe, the duty check, the host-time calibration and
   # the passes between replays were added), over its 360 s.
-  VALIDATE_ARGS=(threads=null workload.num_requests=24 utilizations=[0.6,2.0,6.0] replays=1 min_run_s=0
+  VALIDATE_ARGS=(threads=null workload.num_requests=24 utilizations=[0.6,2.0,6.0] replays=1 min_run_s=0 max_run_s=0
     workload.prompt.tokens=128 workload.prompt.sigma=0.6 workload.prompt.min=16 workload.prompt.max=512
     workload.output.tokens=16 workload.output.sigma=0.5 workload.output.min=4 workload.output.max=48
     max_prompt_tokens=512

@@ -77,6 +77,8 @@ class ValidateConfig(EngineConfig):
     replays: int = 3  # real runs per point: their spread is the real engine's own noise
     # more requests at a point whose workload.num_requests arrivals would span less than this
     min_run_s: float = 2.0
+    # fewer at a point whose workload.num_requests arrivals would span more than this (0: off)
+    max_run_s: float = 15.0
     # each point is also simulated with every iteration this much slower and faster: how
     # far its figures move says how well a timing model can predict them at all (0: off)
     sensitivity_pct: float = 2.0

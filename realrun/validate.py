@@ -96,6 +96,11 @@ def check(cfg: DictConfig) -> None:
         raise UserError(f"replays={cfg.replays}: must be >= 1")
     if not cfg.min_run_s >= 0:
         raise UserError(f"min_run_s={cfg.min_run_s}: must be >= 0")
+    if not cfg.max_run_s >= 0:
+        raise UserError(f"max_run_s={cfg.max_run_s}: must be >= 0")
+    if cfg.max_run_s and cfg.max_run_s < cfg.min_run_s:
+        raise UserError(f"max_run_s={cfg.max_run_s}: below min_run_s={cfg.min_run_s} (a "
+                        "point's arrivals cannot span both); raise it, or 0 for no cap")  # fmt: skip
     if not 0 <= cfg.sensitivity_pct < 100:
         raise UserError(f"sensitivity_pct={cfg.sensitivity_pct}: must be >= 0 and below 100")
     known = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
@@ -295,6 +300,14 @@ class ProfileSource:
         from profiler.measure import build_profile
 
         return build_profile(self.prof, self.info, self.name, [*points, *self.extra])
+
+
+def point_requests(num_requests: int, rate: float, min_run_s: float, max_run_s: float) -> int:
+    """How many requests a point at ``rate`` replays: ``num_requests``, more where their
+    arrivals would span less than ``min_run_s`` (ceil(rate x min_run_s)), fewer where they
+    would span more than ``max_run_s`` (ceil(rate x max_run_s); 0: no cap)."""
+    n = max(num_requests, math.ceil(rate * min_run_s))
+    return min(n, math.ceil(rate * max_run_s)) if max_run_s else n
 
 
 def solo_service_s(latency, prompt_tokens: int, output_tokens: int, draws: int = 20) -> float:
@@ -824,18 +837,21 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
              for policy in cfg.policies]  # fmt: skip
     # Each point's request list: the workload's num_requests, or more where their arrivals
     # would span less than min_run_s (an overloaded run of 120 requests lasts about a second,
-    # and this host's speed varies from second to second); the first num_requests have the
-    # same lengths at every rate (the lengths' and the arrivals' random streams are apart).
+    # and this host's speed varies from second to second), or fewer where they would span
+    # more than max_run_s (a light load's runs are mostly idle, and their requests barely
+    # interact: they set the validation's wall time); the first requests have the same
+    # lengths at every rate (the lengths' and the arrivals' random streams are apart).
     lists = {}
     for _, rate, _ in cases:
         if rate not in lists:
-            n = max(cfg.workload.num_requests, math.ceil(rate * cfg.min_run_s))
+            n = point_requests(cfg.workload.num_requests, rate, cfg.min_run_s, cfg.max_run_s)
             workload = OmegaConf.merge(cfg.workload, {"rate": rate, "num_requests": n})
             lists[rate] = prepare_requests(cfg, runner, build_workload(workload, cfg.seed))
     workloads = [lists[rate] for _, rate, _ in cases]
     counts = [len(lists[rate][0]) for rate in rates]
     if counts != [cfg.workload.num_requests] * len(rates):
-        print(f"requests per point {counts} (min_run_s={cfg.min_run_s:g})")
+        print(f"requests per point {counts} (min_run_s={cfg.min_run_s:g}, "
+              f"max_run_s={cfg.max_run_s:g})")  # fmt: skip
     if cfg.warmup:
         warm_up(runner, cover[1], largest_batch)
         longest = max((requests for requests, _ in lists.values()), key=len)

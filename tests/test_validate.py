@@ -44,6 +44,7 @@ from realrun.validate import (
     iteration_rows,
     largest_prefill,
     page_fault_warning,
+    point_requests,
     predict_segment,
     records_of,
     run_speed,
@@ -77,7 +78,11 @@ SMALL = [
     "profile.wake.idle_ms=[5,40]",
     "profile.wake.repeats=1",
     "replays=2",
-    "min_run_s=0.5",  # the loaded point's 10 requests arrive within less: it gets more
+    # each point gets ceil(rate x 0.4) requests: the loaded point's 10 would arrive within
+    # less than min_run_s (it gets more), the light point's (13 req/s here) within more than
+    # max_run_s (it gets fewer)
+    "min_run_s=0.4",
+    "max_run_s=0.4",
     "progress=false",
 ]
 
@@ -112,10 +117,11 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     assert (out / "profile" / "profile.json").is_file()
     rates = sorted({r["rate"] for r in records})
     assert len(rates) == 2 and rates[0] < rates[1]
-    # min_run_s: the light point keeps num_requests, the loaded one gets ceil(rate * 0.5)
+    # min_run_s = max_run_s: every point gets ceil(rate * 0.4), more than num_requests at the
+    # loaded point, fewer at the light one (where its rate is below 25 req/s, as here)
     for r in records:  # a row's requests: its class's (LS and BE rows once said all's)
         if r["cls"] == "all":
-            assert r["requests"] == max(10, math.ceil(r["rate"] * 0.5))
+            assert r["requests"] == math.ceil(r["rate"] * 0.4)
     assert {r["requests"] for r in records if r["rate"] == rates[1]} != {10}
     for policy in ("fcfs", "qllm"):
         for rate in rates:
@@ -217,12 +223,23 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     assert "error%" in table(records).splitlines()[0]
 
 
+def test_a_point_gets_more_requests_when_short_and_fewer_when_long():
+    # 120 requests: at 90 req/s they arrive within 1.3 s, at 3.87 req/s over 31 s
+    assert point_requests(120, 90.0, 2.0, 15.0) == 180  # ceil(90 x 2)
+    assert point_requests(120, 3.87, 2.0, 15.0) == 59  # ceil(3.87 x 15)
+    assert point_requests(120, 20.0, 2.0, 15.0) == 120  # 6 s: neither bound
+    assert point_requests(120, 3.87, 2.0, 0.0) == 120  # 0: no cap
+    assert point_requests(120, 90.0, 0.0, 15.0) == 120  # 0: no floor
+
+
 @pytest.mark.parametrize(
     "override, message",
     [("policies=[qllm,nope]", "policies: nope is not a policy"),
      ("utilizations=[0]", "utilizations=[0.0]: need values > 0"),
      ("max_prompt_tokens=0", "max_prompt_tokens=0: must be >= 1"),
      ("min_run_s=-1", "min_run_s=-1.0: must be >= 0"),
+     ("max_run_s=-1", "max_run_s=-1.0: must be >= 0"),
+     ("max_run_s=1", "max_run_s=1.0: below min_run_s=2.0"),
      ("sensitivity_pct=-2", "sensitivity_pct=-2.0: must be >= 0 and below 100"),
      ("workload.rate=99", "workload.rate=99.0: qllm-validate sets each point's rate"),
      # accepted before: the real runs timed 1 ms a stage against a wall-clock profile
