@@ -99,8 +99,8 @@ def check(cfg: DictConfig) -> None:
     if not cfg.max_run_s >= 0:
         raise UserError(f"max_run_s={cfg.max_run_s}: must be >= 0")
     if cfg.max_run_s and cfg.max_run_s < cfg.min_run_s:
-        raise UserError(f"max_run_s={cfg.max_run_s}: below min_run_s={cfg.min_run_s} (a "
-                        "point's arrivals cannot span both); raise it, or 0 for no cap")  # fmt: skip
+        raise UserError(f"max_run_s={cfg.max_run_s}: below min_run_s={cfg.min_run_s} (no "
+                        "point's arrivals span both); raise it, or 0 for no cap")  # fmt: skip
     if not 0 <= cfg.sensitivity_pct < 100:
         raise UserError(f"sensitivity_pct={cfg.sensitivity_pct}: must be >= 0 and below 100")
     known = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
