@@ -27,7 +27,7 @@ reproduce: venv
 
 # Simulator vs real engine on this machine, every tiny preset -> the curated
 # results/validation/<model>-<device>/ and results/validation/summary.md (a plain
-# `qllm-validate` writes results/validation-runs/ instead). About 7-8 minutes per model. On
+# `qllm-validate` writes results/validation-runs/ instead). About 5 minutes per model. On
 # CPU time (clock=cpu): this machine is shared, and wall time counts the others' work.
 TINY_MODELS := tiny-mixtral tiny-qwen2-moe tiny-qwen3-moe tiny-olmoe tiny-deepseek-v3
 validate: venv
