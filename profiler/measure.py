@@ -425,6 +425,7 @@ class Profiler:
         # (batch, num_tokens, kv, sequences) -> every timed iteration's total (ms):
         # ``interference`` and ``self_check``
         self.totals: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
+        self.totals_pass: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
 
     def random_ids(self, n: int) -> list[int]:
         vocab = self.runner.config.vocab_size
@@ -470,7 +471,9 @@ class Profiler:
         counts: dict[tuple, int] = defaultdict(int)  # stages of each op in one iteration
         filed: dict[tuple, int] = defaultdict(int)  # samples of each op filed by this call
         expert_ms = []  # per run: the experts' summed time
-        self.totals[(batch, num_tokens, kv, batch or prompts)] += [total for total, _ in runs]
+        shape = (batch, num_tokens, kv, batch or prompts)
+        self.totals[shape] += [total for total, _ in runs]
+        self.totals_pass[shape] += [self.passes_done] * len(runs)
         for _, stages in runs:
             experts, routers = 0.0, []
             for st in stages:
@@ -644,6 +647,19 @@ class Profiler:
                   for t in totals]  # fmt: skip
         return float(np.mean(ratios)) if ratios else 1.0
 
+    def pass_speeds(self) -> list[float]:
+        """Per pass of the grid, ``interference`` of its timed iterations alone: the mean of
+        each one's total over the median of its shape's repeats in every pass. How fast the
+        machine ran pass by pass against the whole profile (1.1: 10% slower); passes with
+        other work between them (the validation's rounds of real runs) show its drift."""
+        ratios: dict[int, list[float]] = defaultdict(list)
+        for key, totals in self.totals.items():
+            m = float(np.median(totals))
+            if m > 0:
+                for t, k in zip(totals, self.totals_pass[key], strict=True):
+                    ratios[k].append(t / m)
+        return [float(np.mean(ratios[k])) for k in sorted(ratios)]
+
     def table(self) -> list[OpPoint]:
         if self.settings.chunk_kv:  # a chunk over no prefix is a prefill
             for n in self.settings.prefill_tokens:
@@ -777,6 +793,7 @@ def build_profile(
         interference=prof.interference(),
         extra={
             "self_check": None,  # below: it needs the profile
+            "pass_speeds": [round(x, 4) for x in prof.pass_speeds()],
             "settings": asdict(settings),
             "threads": torch.get_num_threads(),
             "device_type": info.device.type,

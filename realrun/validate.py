@@ -379,7 +379,8 @@ def records_of(
             row |= {"sim_speed_adjusted": a,
                     "speed_adjusted_error_pct": 100 * (a - r) / r if r else math.nan,
                     "run_speed_min": round(min(speeds), 3) if speeds else None,
-                    "run_speed_max": round(max(speeds), 3) if speeds else None}  # fmt: skip
+                    "run_speed_max": round(max(speeds), 3) if speeds else None,
+                    "run_speeds": [round(x, 3) for x in speeds]}  # fmt: skip
         if bounds:
             fast, slow = (math.nan if (v := get(b)) is None else v for b in bounds)
             moved = max(abs(fast - s), abs(slow - s))
@@ -889,6 +890,9 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     print(f"profile interference {profile.interference:.3f}: a timed iteration ran "
           f"{100 * (profile.interference - 1):+.1f}% over its shape's median, on average; "
           f"the simulator scales its iterations by it")  # fmt: skip
+    if passes := profile.extra.get("pass_speeds"):  # the machine's drift between the rounds
+        print(f"the profile's passes ran {', '.join(f'{x:.2f}x' for x in passes)} of its "
+              f"medians (one before the first round of real runs, one after each)")  # fmt: skip
     if profile.extra.get("self_check"):  # a profile measured now (or saved with one)
         from profiler.measure import self_check_line
 

@@ -503,6 +503,19 @@ def test_interference_is_the_mean_time_over_the_median_of_its_shape():
     assert profiler.interference() == pytest.approx(10 / 8)
 
 
+def test_each_pass_of_the_grid_has_its_own_speed_against_the_whole_profile():
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    profiler = Profiler(runner, Settings([4], [1], [8], [1]), torch.device("cpu"))
+    assert profiler.pass_speeds() == []
+    # two passes of two repeats: the second ran one shape twice as slow
+    profiler.totals[(0, 4, 0, 1)] += [1.0, 1.0, 2.0, 2.0]  # median 1.5
+    profiler.totals_pass[(0, 4, 0, 1)] += [0, 0, 1, 1]
+    profiler.totals[(1, 1, 8, 1)] += [3.0, 3.0, 3.0, 3.0]
+    profiler.totals_pass[(1, 1, 8, 1)] += [0, 0, 1, 1]
+    assert profiler.pass_speeds() == pytest.approx([(2 / 3 + 1) / 2, (4 / 3 + 1) / 2])
+    assert np.mean(profiler.pass_speeds()) == pytest.approx(profiler.interference())
+
+
 def test_a_profiles_interference_round_trips_and_old_files_read_none(tmp_path):
     base = profiles.load("a100-mixtral-nf4-hf")
     assert base.interference == 1.0
@@ -697,6 +710,7 @@ def test_a_router_sample_is_an_iterations_mean_over_its_layers():
     total = sum(st.ms for st in stages)
     prof = Profiler.__new__(Profiler)
     prof.samples, prof.expert_samples, prof.totals = defaultdict(list), [], defaultdict(list)
+    prof.totals_pass, prof.passes_done = defaultdict(list), 0
     prof.record([(total, stages)] * 3, num_tokens=1, batch=1, kv=8)
     assert prof.samples[("router", 0, 1, 0)] == [pytest.approx(0.4)] * 3
     assert prof.samples[("attn_decode", 1, 0, 8)] == [0.5] * 9

@@ -109,8 +109,11 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     # after each: the profile samples the stretch of time the runs do
     # (the first three runs: the engine's host-time calibration, HOST_ROUNDS bursts)
     assert order == ["pass", *["run"] * (3 + 4), "pass", *["run"] * 4, "pass"]
-    assert "in 3 passes" in json.loads((out / "profile" / "profile.json").read_text())[
-        "calibration"]  # fmt: skip
+    saved = json.loads((out / "profile" / "profile.json").read_text())
+    assert "in 3 passes" in saved["calibration"]
+    # the machine's speed pass by pass, whose mean over the (equal) passes is interference
+    passes = saved["extra"]["pass_speeds"]
+    assert len(passes) == 3 and all(0.3 < x < 3 for x in passes)
     assert out == tmp_path / "small"
     assert json.loads((out / "validation.json").read_text()) == records
     assert (out / "validation.png").stat().st_size > 0
@@ -134,7 +137,7 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
             "replays",
             "real_min", "real_max", "real_cv_pct", "real_page_faults",
             "probe_drift_pct", "duty_slowdown", "sim_speed_adjusted",
-            "speed_adjusted_error_pct", "run_speed_min", "run_speed_max",
+            "speed_adjusted_error_pct", "run_speed_min", "run_speed_max", "run_speeds",
             "host_speed_p10", "host_speed_p90",
             "sim_faster", "sim_slower", "speed_step_pct", "sim_sensitivity_pct"}  # fmt: skip
     for r in records:
@@ -146,6 +149,7 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
         )
         # the diagnostic: the simulator rerun at each replay's measured speed
         assert 0 < r["run_speed_min"] <= r["run_speed_max"]
+        assert len(r["run_speeds"]) == 2 and min(r["run_speeds"]) == r["run_speed_min"]
         assert r["speed_adjusted_error_pct"] == pytest.approx(
             100 * (r["sim_speed_adjusted"] - r["real"]) / r["real"])  # fmt: skip
         # (not asserted: that a slower rerun finishes later on average; batches form
