@@ -56,7 +56,7 @@ from tqdm import tqdm
 from policies.core import BE, LS, Batch, Phase, Request, Sequence
 from profiler.schema import GRID_KEYS, SettingsError, int_list
 from realrun.config import ClockKind, ValidateConfig, validate_engine, validate_shared
-from realrun.validation_table import ILL_CONDITIONED_PCT
+from realrun.validation_table import ILL_CONDITIONED_PCT, within_replays
 from sim.app import CONF_DIR  # registers the simulator's schema (base_config) that it composes
 from sim.cli import App, fail, run
 from sim.config import UserError, WorkloadConfig
@@ -1027,6 +1027,11 @@ def summary_line(records: list[dict]) -> str:
                   f"predicted time) {min(lows):.2f}x-{max(highs):.2f}x")  # fmt: skip
     if line := conditioning(records):
         drift += f"; {line}"
+    if (inside := within_replays(records)) is not None:
+        n_in, below, above, n, exact = inside
+        drift += (f"; the simulator within the real replays' min-max: {n_in} of {n} ({below} "
+                  f"below, {above} above; one exact on each point's real median would be in "
+                  f"{100 * exact:.0f}% of them)")  # fmt: skip
     adjusted = [abs(e) for r in records if r["cls"] != "all"
                 and math.isfinite(e := r.get("speed_adjusted_error_pct", math.nan))]  # fmt: skip
     if adjusted:

@@ -6,7 +6,10 @@ engine's own spread (the replays' worst CV), the speed-adjusted diagnostic (how 
 per-class means are within 10% once each real run's measured speed scales the profile; "-"
 for validations written before it), and how many per-class means are ill-conditioned (the
 simulator's figure moves more than 10% with every iteration ``sensitivity_pct`` faster or
-slower; "-" for validations written before it)."""
+slower; "-" for validations written before it), and how many per-class means the simulator
+puts within the real replays' own min-max range (below it, above it): a simulator exact on a
+point's real median would be in that range with probability 1 - 2^(1 - replays), 75% at 3
+replays ("-" with one replay)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,21 @@ LOADS = ("light", "knee", "overload", "loaded")
 # A per-class mean that moves more than this (in %) when every iteration runs qllm-validate's
 # ``sensitivity_pct`` faster or slower is ill-conditioned: the goal's 10% bound.
 ILL_CONDITIONED_PCT = 10.0
+
+
+def within_replays(records: list[dict]) -> tuple[int, int, int, int, float] | None:
+    """Of the per-class means of points with two replays or more: how many the simulator puts
+    within the replays' min-max, below it and above it, of how many; and the share an exact
+    simulator would put within (1 - 2^(1 - replays), the fewest replays of them: the chance
+    that the replays' range holds their distribution's median). None: no such means."""
+    means = [r for r in records if r["cls"] != "all" and r.get("replays", 1) >= 2
+             and math.isfinite(r["sim"])]  # fmt: skip
+    if not means:
+        return None
+    below = sum(r["sim"] < r["real_min"] for r in means)
+    above = sum(r["sim"] > r["real_max"] for r in means)
+    exact = 1 - 2.0 ** (1 - min(r["replays"] for r in means))
+    return len(means) - below - above, below, above, len(means), exact
 
 
 def clock_of(directory: Path) -> str:
@@ -53,10 +71,14 @@ def rows_of(name: str, records: list[dict], clock: str = "?") -> list[str]:
                  and math.isfinite(r.get("sim_sensitivity_pct", math.nan))]  # fmt: skip
         ill = (f"{sum(m > ILL_CONDITIONED_PCT for m in moved)} of {len(moved)}" if moved
                else "-")  # fmt: skip
+        inside = within_replays(point)
+        ranged = ("-" if inside is None else
+                  f"{inside[0]} of {inside[3]} ({inside[1]} below, {inside[2]} above)")  # fmt: skip
         rows.append(f"| {name} | {load} | {clock} | {max(errors):.1f}% "
                     f"| {statistics.median(errors):.1f}% "
                     f"| {within} of {len(errors)} | {min(thr):+.1f}% .. {max(thr):+.1f}% "
-                    f"| {f'{max(cvs):.1f}%' if cvs else '-'} | {adj} | {ill} |")  # fmt: skip
+                    f"| {f'{max(cvs):.1f}%' if cvs else '-'} | {adj} | {ill} "
+                    f"| {ranged} |")  # fmt: skip
     return rows
 
 
@@ -67,8 +89,9 @@ def table(root: Path) -> str:
     lines = ["| model | load | clock | worst per-class error | median | within 10% "
              "| throughput error | real replays' worst CV "
              "| speed-adjusted within 10% (diagnostic) "
-             "| ill-conditioned (sim moves >10%) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| ill-conditioned (sim moves >10%) "
+             "| sim within the replays' min-max (exact: 75% at 3) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for path in found:
         records = json.loads(path.read_text())
         if not records or "load" not in records[0]:

@@ -54,6 +54,7 @@ from realrun.validate import (
     table,
     window_speeds,
 )
+from realrun.validation_table import within_replays
 from sim.app import CONF_DIR
 from sim.config import UserError
 from sim.latency import LatencyModel, RoutingModel
@@ -345,6 +346,9 @@ def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
     assert "| 3 of 4 |" in lines[2]
     assert lines[3].startswith("| tiny-a-cpu | overload | cpu | 20.0% |")
     assert lines[4].startswith("| tiny-b-cpu | light | wall | 20.8% |")
+    # LS TTFT predicted below both replays, the other means equal to them: inside their range
+    assert lines[2].endswith("| 3 of 4 (1 below, 0 above) |")
+    assert lines[3].endswith("| 3 of 4 (1 below, 0 above) |")
     with pytest.raises(SystemExit) as e:
         validation_table.main([str(tmp_path / "nowhere")])
     assert e.value.code == 2
@@ -374,6 +378,24 @@ def test_one_replay_measures_no_spread_and_says_so():
     assert all(line.split()[8] == "-" for line in table(one).splitlines()[1:] if line.strip())
     two = records_of("fcfs", 1.0, "light", [summary, summary], summary)
     assert all(r["real_cv_pct"] == 0.0 for r in two)
+    # one replay has no range for the simulator to fall within: not counted, not "4 of 4"
+    assert within_replays(one) is None and "min-max" not in summary_line(one)
+    assert "within the real replays' min-max: 4 of 4" in summary_line(two)
+
+
+def test_the_share_within_the_replays_range_counts_each_side_and_an_exact_models_share():
+    stats = {"mean": 1.0}
+    summary = {"classes": {c: {"count": 5, "ttft_s": stats, "turnaround_s": stats}
+                           for c in CLASSES}, "throughput": {"jobs_per_s": 1.0}}  # fmt: skip
+    slow, fast = json.loads(json.dumps(summary)), json.loads(json.dumps(summary))
+    slow["classes"]["LS"]["ttft_s"] = {"mean": 1.2}  # sim 1.0: below 1.1-1.2
+    fast["classes"]["LS"]["ttft_s"] = {"mean": 1.1}
+    slow["classes"]["BE"]["turnaround_s"] = {"mean": 0.8}  # sim 1.0: above 0.8-0.9
+    fast["classes"]["BE"]["turnaround_s"] = {"mean": 0.9}
+    records = records_of("qllm", 2.0, "knee", [slow, fast, slow], summary)
+    assert within_replays(records) == (2, 1, 1, 4, 0.75)
+    assert "min-max: 2 of 4 (1 below, 1 above; one exact on each point's real median would " \
+           "be in 75% of them)" in summary_line(records)  # fmt: skip
 
 
 def test_iteration_error_percentiles_interpolate_in_small_groups():
