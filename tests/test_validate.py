@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -54,7 +55,13 @@ from realrun.validate import (
     table,
     window_speeds,
 )
-from realrun.validation_table import within_replays
+from realrun.validation_table import (
+    exact_chance,
+    noise_floor,
+    replay_values,
+    replay_within,
+    within_replays,
+)
 from sim.app import CONF_DIR
 from sim.config import UserError
 from sim.latency import LatencyModel, RoutingModel
@@ -136,7 +143,7 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     assert sorted(config.workload.rate) == rates
     keys = {"policy", "rate", "load", "cls", "metric", "requests", "sim", "real", "error_pct",
             "replays",
-            "real_min", "real_max", "real_cv_pct", "real_page_faults",
+            "real_min", "real_max", "real_values", "real_cv_pct", "real_page_faults",
             "probe_drift_pct", "duty_slowdown", "sim_speed_adjusted",
             "speed_adjusted_error_pct", "run_speed_min", "run_speed_max", "run_speeds",
             "host_speed_p10", "host_speed_p90",
@@ -162,6 +169,8 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
         assert r["error_pct"] == pytest.approx(100 * (r["sim"] - r["real"]) / r["real"])
         # the real value is the mean of two replays, which differ (wall clock)
         assert r["replays"] == 2 and r["real_min"] <= r["real"] <= r["real_max"]
+        assert len(r["real_values"]) == 2 and min(r["real_values"]) == r["real_min"]
+        assert r["real"] == pytest.approx(statistics.fmean(r["real_values"]))
         assert r["load"] == ("light" if r["rate"] == rates[0] else "loaded")
         assert math.isfinite(r["probe_drift_pct"]) and r["probe_drift_pct"] > -100
         assert r["duty_slowdown"] == records[0]["duty_slowdown"] > 0  # one for the machine
@@ -343,12 +352,13 @@ def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
     validation_table.main([str(tmp_path)])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 + 4 and lines[2].startswith("| tiny-a-cpu | light | cpu | 20.8% |")
-    assert "| 3 of 4 |" in lines[2]
     assert lines[3].startswith("| tiny-a-cpu | overload | cpu | 20.0% |")
     assert lines[4].startswith("| tiny-b-cpu | light | wall | 20.8% |")
     # LS TTFT predicted below both replays, the other means equal to them: inside their range
-    assert lines[2].endswith("| 3 of 4 (1 below, 0 above) |")
-    assert lines[3].endswith("| 3 of 4 (1 below, 0 above) |")
+    assert lines[2].endswith("| 3 of 4 (1 below, 0 above; exact 50%) |")
+    assert lines[3].endswith("| 3 of 4 (1 below, 0 above; exact 50%) |")
+    # what the replays' spread allows: LS TTFT's 1.25 and 1.275 (2% apart) at light load
+    assert "| 3 of 4 (exact ~4, a replay ~4) |" in lines[2]
     with pytest.raises(SystemExit) as e:
         validation_table.main([str(tmp_path / "nowhere")])
     assert e.value.code == 2
@@ -396,6 +406,55 @@ def test_the_share_within_the_replays_range_counts_each_side_and_an_exact_models
     assert within_replays(records) == (2, 1, 1, 4, 0.75)
     assert "min-max: 2 of 4 (1 below, 1 above; one exact on each point's real median would " \
            "be in 75% of them)" in summary_line(records)  # fmt: skip
+
+
+def test_the_noise_floor_says_what_an_exact_simulator_and_a_replay_would_get_within_10pct(
+    tmp_path, capsys
+):
+    """Beside the simulator's count within 10%: how many per-class means the real engine's
+    own spread lets an exact simulator (expected) and a real replay against the other
+    replays' mean (measured) put within 10%."""
+    # replays 0.9, 1.0, 1.1 (sample sd 0.1, mean's se 0.1/sqrt 3): an exact simulator's error
+    # (1 - mean) / mean is within 10% where the mean lies within [1/1.1, 1/0.9]
+    se = 0.1 / math.sqrt(3)
+    phi = statistics.NormalDist().cdf
+    assert exact_chance([0.9, 1.0, 1.1]) == pytest.approx(phi((1 / 0.9 - 1) / se)
+                                                          - phi((1 / 1.1 - 1) / se))  # fmt: skip
+    assert 0.9 < exact_chance([0.9, 1.0, 1.1]) < 0.92
+    assert exact_chance([2.0, 2.0, 2.0]) == 1.0 and exact_chance([0.5, 1.5]) < 0.5
+    # each replay against the others' mean: 0.9 vs 1.05 (-14%), 1.0 vs 1.0, 1.1 vs 0.95 (+16%)
+    assert replay_within([0.9, 1.0, 1.1]) == pytest.approx(1 / 3)
+    assert replay_within([1.0, 1.05, 0.97]) == 1.0
+
+    def summary(ls_ttft: float) -> dict:
+        return {"classes": {c: {"count": 2, "ttft_s": {"mean": ls_ttft if c == "LS" else 1.0},
+                                "turnaround_s": {"mean": 2.0}} for c in CLASSES},
+                "throughput": {"jobs_per_s": 4.0}}  # fmt: skip
+
+    records = records_of("fcfs", 1.0, "light", [summary(x) for x in (0.9, 1.0, 1.1)],
+                         summary(1.0))  # fmt: skip
+    ls = next(r for r in records if r["cls"] == "LS" and r["metric"] == "ttft_mean")
+    assert ls["real_values"] == [0.9, 1.0, 1.1]
+    # records written before real_values: three replays rebuilt from min, mean and max
+    old = {k: v for k, v in ls.items() if k != "real_values"}
+    assert replay_values(old) == pytest.approx([0.9, 1.0, 1.1])
+    assert replay_values(old | {"replays": 4}) is None
+    # four per-class means: three without spread (exact 1, every replay within), LS TTFT
+    exact, replay, n = noise_floor(records)
+    assert n == 4 and exact == pytest.approx(3 + exact_chance([0.9, 1.0, 1.1]))
+    assert replay == pytest.approx(3 + 1 / 3)
+    assert "4 of 4 within 10% (of the 4 whose replays measure a spread: an exact simulator ~4 " \
+           "expected, from the replays' spread; a real replay against the others' mean ~3)" \
+           in summary_line(records)  # fmt: skip
+    one = records_of("fcfs", 1.0, "light", [summary(1.0)], summary(1.0))
+    assert noise_floor(one) is None and "exact simulator" not in summary_line(one)
+    (tmp_path / "tiny-a-cpu").mkdir()
+    (tmp_path / "tiny-a-cpu" / "validation.json").write_text(json.dumps(records))
+    validation_table.main([str(tmp_path)])
+    head, _, row = capsys.readouterr().out.splitlines()
+    assert "| within 10% (an exact sim, expected; a real replay against the others) |" in head
+    assert "| 4 of 4 (exact ~4, a replay ~3) |" in row
+    assert row.endswith("| 4 of 4 (0 below, 0 above; exact 75%) |")
 
 
 def test_iteration_error_percentiles_interpolate_in_small_groups():
