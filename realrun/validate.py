@@ -58,7 +58,13 @@ from tqdm import tqdm
 from policies.core import BE, LS, Batch, Phase, Request, Sequence
 from profiler.schema import GRID_KEYS, SettingsError, int_list
 from realrun.config import ClockKind, ValidateConfig, validate_engine, validate_shared
-from realrun.validation_table import GOAL_PCT, ILL_CONDITIONED_PCT, noise_floor, within_replays
+from realrun.validation_table import (
+    GOAL_PCT,
+    ILL_CONDITIONED_PCT,
+    THROUGHPUT_GOAL_PCT,
+    noise_floor,
+    within_replays,
+)
 from sim.app import CONF_DIR  # registers the simulator's schema (base_config) that it composes
 from sim.cli import App, fail, run
 from sim.config import UserError, WorkloadConfig
@@ -1036,6 +1042,14 @@ def summary_line(records: list[dict]) -> str:
                   f"predicted time) {min(lows):.2f}x-{max(highs):.2f}x")  # fmt: skip
     if line := conditioning(records):
         drift += f"; {line}"
+    overload = [r for r in records if r["load"] == "overload"]
+    if (floor := noise_floor(overload, THROUGHPUT_GOAL_PCT, throughput=True)) is not None:
+        exact, replay, n = floor
+        hits = sum(abs(r["error_pct"]) <= THROUGHPUT_GOAL_PCT for r in overload
+                   if r["metric"] == "throughput_jobs")  # fmt: skip
+        drift += (f"; throughput at overload within {THROUGHPUT_GOAL_PCT:g}%: {hits} of {n} "
+                  f"(an exact simulator ~{exact:.1f} expected; a real replay against the "
+                  f"others ~{replay:.1f})")  # fmt: skip
     if (inside := within_replays(records)) is not None:
         n_in, below, above, n, exact = inside
         drift += (f"; the simulator within the real replays' min-max: {n_in} of {n} ({below} "

@@ -448,13 +448,23 @@ def test_the_noise_floor_says_what_an_exact_simulator_and_a_replay_would_get_wit
            in summary_line(records)  # fmt: skip
     one = records_of("fcfs", 1.0, "light", [summary(1.0)], summary(1.0))
     assert noise_floor(one) is None and "exact simulator" not in summary_line(one)
+    # throughput at overload against its 5% goal: replays 4.0, 4.4, 3.6 jobs/s, sim 4.0
+    reals = [summary(1.0) | {"throughput": {"jobs_per_s": x}} for x in (4.0, 4.4, 3.6)]
+    over = records_of("qllm", 9.0, "overload", reals, summary(1.0))
+    exact, replay, n = noise_floor(over, 5.0, throughput=True)
+    assert n == 1 and exact == pytest.approx(exact_chance([4.0, 4.4, 3.6], 5.0))
+    assert 0.6 < exact < 0.63 and replay == pytest.approx(1 / 3)  # 4.4 vs 3.8, 3.6 vs 4.2: out
+    assert "throughput at overload within 5%: 1 of 1 (an exact simulator ~0.6 expected; a " \
+           "real replay against the others ~0.3)" in summary_line(records + over)  # fmt: skip
+    assert "throughput at overload" not in summary_line(records)  # light load only
     (tmp_path / "tiny-a-cpu").mkdir()
-    (tmp_path / "tiny-a-cpu" / "validation.json").write_text(json.dumps(records))
+    (tmp_path / "tiny-a-cpu" / "validation.json").write_text(json.dumps(records + over))
     validation_table.main([str(tmp_path)])
-    head, _, row = capsys.readouterr().out.splitlines()
+    head, _, row, overloaded = capsys.readouterr().out.splitlines()
     assert "| within 10% (an exact sim, expected; a real replay against the others) |" in head
-    assert "| 4 of 4 (exact ~4, a replay ~3) |" in row
+    assert "| 4 of 4 (exact ~4, a replay ~3) | +0.0% .. +0.0% |" in row  # light: no goal
     assert row.endswith("| 4 of 4 (0 below, 0 above; exact 75%) |")
+    assert "| +0.0% .. +0.0% (within 5%: 1 of 1, exact ~0.6) |" in overloaded
 
 
 def test_iteration_error_percentiles_interpolate_in_small_groups():
