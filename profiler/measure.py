@@ -426,6 +426,9 @@ class Profiler:
         # ``interference`` and ``self_check``
         self.totals: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
         self.totals_pass: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
+        # idle ms -> each repeat's step times (ms) after the gap: the wake-up's raw samples,
+        # kept in profile.json (extra.wake_samples) so that its curve can be re-derived
+        self.wake_samples: dict[int, list[list[float]]] = {}
 
     def random_ids(self, n: int) -> list[int]:
         vocab = self.runner.config.vocab_size
@@ -638,6 +641,7 @@ class Profiler:
         points = [OpPoint("wake_up", idle_ms=0)]
         for idle_ms, samples in sorted(runs.items()):
             points += wake_curve(idle_ms, np.array(samples))
+            self.wake_samples[idle_ms] = [[round(float(t), 4) for t in row] for row in samples]
         return points
 
     def interference(self) -> float:
@@ -794,6 +798,7 @@ def build_profile(
         extra={
             "self_check": None,  # below: it needs the profile
             "pass_speeds": [round(x, 4) for x in prof.pass_speeds()],
+            "wake_samples": {str(k): v for k, v in prof.wake_samples.items()},
             "settings": asdict(settings),
             "threads": torch.get_num_threads(),
             "device_type": info.device.type,

@@ -475,6 +475,11 @@ def test_a_window_that_runs_slower_as_a_whole_is_drift_not_a_wake_up(monkeypatch
         assert curves[idle_ms][0] == pytest.approx(5.0)
         assert curves[idle_ms][3] == pytest.approx(2.0)
         assert curves[idle_ms][8] == pytest.approx(0.0, abs=1e-9)
+        # the raw samples are kept (profile.json: extra.wake_samples): the curve again
+        samples = np.array(profiler.wake_samples[idle_ms])
+        assert samples.shape == (3, measure.wake_steps(1.0))
+        again = {round(p.busy_ms, 6): p.median_ms for p in measure.wake_curve(idle_ms, samples)}
+        assert again == pytest.approx(curves[idle_ms])
 
 
 def test_a_slow_down_ends_at_the_first_step_that_is_not_slower():
