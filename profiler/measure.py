@@ -53,9 +53,15 @@ than inside an iteration, where the rest of the model streamed through the cache
   shared machine a whole 100 ms window runs up to 20% faster or slower than the one before
   it, and summed over the window that drift swamped a wake-up of 1-2 ms (tiny-olmoe's
   profile read 0 to 11.6 ms at 50 ms of idle time in three runs; this estimator, 1.0-3.5 ms).
-  Per step, the median excess over the repeats; the slow-down ends at the first step whose
-  median is within the noise (at most the 90th percentile of |median| over the second half's
-  steps, which are warm): it fades, it does not come back. A point per step boundary k of
+  The excess is read in bins of steps (``WAKE_BINS``: the first four steps one by one, then
+  4-7, 8-15, 16-31, 32-63, within the first half): per bin, the median over the repeats of
+  each one's mean excess over the bin's steps. The slow-down ends at the first bin within the
+  noise (the 90th percentile of the per-step median excess over the second half's steps,
+  which are warm, over the square root of the bin's steps): it fades, it does not come back.
+  Bins keep a tail of a few percent over 25 steps that a step alone is too noisy to show (in
+  episodes in random order on this VM, steps 5-25 after 150 ms of sleep ran 1.5-10.5%
+  slower than after none; a cut at the first step within the noise, the estimator before,
+  dropped it after 2-4 steps). A point per step boundary k of
   ``WAKE_POINTS`` and the last: busy_ms the warm time of the first k steps, the value the
   summed excess of the steps after k: busy_ms = 0 holds the whole wake-up; p90 the 90th
   percentile of the repeats' own sums over the same steps. A slow-down that outlasts half
@@ -63,7 +69,8 @@ than inside an iteration, where the rest of the model streamed through the cache
   synchronised after each step, as the engine reads its tokens). A CPU's cores and a GPU's
   clocks slow down when idle (an idle H200 drops to 345 MHz): the first iterations after a
   gap run slower; on this project's 2-core VM the first decode step of a tiny model after
-  10-200 ms of idle time ran 1.2-2.2 ms (40-70%) slower, the next ones 0-0.5 ms.
+  10-200 ms of idle time ran 1.2-2.2 ms (40-70%) slower, the next ones 0-0.5 ms. The raw
+  step times are kept (``Profiler.wake_samples``, profile.json ``extra.wake_samples``).
 
 Each iteration runs ``warmup`` + ``repeats`` times (the sequences rewound in between), after
 one untimed prefill and decode step at the grid's largest shapes; attention samples pool all
@@ -116,6 +123,8 @@ CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 WAKE_WINDOW_MS = 100.0
 WAKE_STEPS_RANGE = (4, 64)
 WAKE_POINTS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
+# the bins of steps (from, to) in which the wake-up's excess is read (module docstring)
+WAKE_BINS = ((0, 1), (1, 2), (2, 3), (3, 4), (4, 8), (8, 16), (16, 32), (32, 64))
 
 
 def wake_steps(warm_step_ms: float) -> int:
@@ -126,20 +135,27 @@ def wake_steps(warm_step_ms: float) -> int:
 
 def wake_curve(idle_ms: int, times_ms: np.ndarray) -> list[OpPoint]:
     """The ``wake_up`` points at one idle time from the step times (ms) of each repeat's
-    window after the gap (a row each): excess over the median of the row's second half,
-    median per step over the rows, up to the first step whose median is within the noise of
-    the second half's medians (their 90th percentile of |median|); a point at each of
-    WAKE_POINTS below the window's length and at its end."""
+    window after the gap (a row each): excess over the median of the row's second half, read
+    in ``WAKE_BINS`` within the first half (per bin, the median over the rows of each row's
+    mean excess over the bin's steps), up to the first bin within the noise (the 90th
+    percentile of the second half's per-step median excess, over the square root of the
+    bin's steps); a point at each of WAKE_POINTS below the window's length and at its end."""
     steps = times_ms.shape[1]
     half = steps // 2
     warm = np.median(times_ms[:, half:], axis=1, keepdims=True)
     excess = times_ms - warm
-    med = np.median(excess, axis=0)
     # the noise of a step's median: what the warm steps' medians show, whose excess is none
-    floor = float(np.percentile(np.abs(med[half:]), 90))
-    faded = np.flatnonzero(med[:half] <= floor)
-    end = int(faded[0]) if len(faded) else half
-    med[end:], excess[:, end:] = 0.0, 0.0
+    floor = float(np.percentile(np.abs(np.median(excess[:, half:], axis=0)), 90))
+    med, rows = np.zeros(steps), np.zeros_like(excess)  # per step: the bin's excess
+    for lo, hi in WAKE_BINS:
+        hi = min(hi, half)
+        if lo >= hi:
+            break
+        each = excess[:, lo:hi].mean(axis=1, keepdims=True)
+        value = float(np.median(each))
+        if value <= floor / math.sqrt(hi - lo):
+            break
+        med[lo:hi], rows[:, lo:hi] = value, each
 
     def left(x: np.ndarray) -> np.ndarray:  # the excess still ahead after k steps, k = 0..steps
         return np.concatenate([np.cumsum(x[..., ::-1], axis=-1)[..., ::-1],
@@ -148,7 +164,7 @@ def wake_curve(idle_ms: int, times_ms: np.ndarray) -> list[OpPoint]:
     kept = [k for k in WAKE_POINTS if k < steps] + [steps]
     busy = float(np.median(warm)) * np.array(kept, dtype=float)
     value = left(med)[kept]
-    p90 = np.maximum(np.percentile(left(excess), 90, axis=0)[kept], value)
+    p90 = np.maximum(np.percentile(left(rows), 90, axis=0)[kept], value)
     return [OpPoint("wake_up", median_ms=float(m), p90_ms=float(p), idle_ms=idle_ms,
                     busy_ms=round(float(b), 4))
             for b, m, p in zip(busy, value, p90, strict=True)]  # fmt: skip

@@ -26,7 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"
 MAX_FILE_BYTES = 2 * 2**20  # keeps a clone small; a larger file would be gzipped or subset
 # Where the project's own text lives; .venv, results and caches are not the project's.
-SOURCES = ("policies", "sim", "profiler", "realrun", "conf", "tests", "benchmarks", "notebooks")
+SOURCES = (
+    "policies",
+    "sim",
+    "profiler",
+    "realrun",
+    "conf",
+    "tests",
+    "benchmarks",
+    "notebooks",
+    "docs",
+)
 
 
 def test_every_data_file_is_small_and_has_its_licence_beside_it():

@@ -499,6 +499,24 @@ def test_a_slow_down_ends_at_the_first_step_that_is_not_slower():
     assert [p.median_ms for p in flat] == [0.0] * 7
 
 
+def test_a_long_small_tail_is_kept_in_bins_where_one_step_is_within_the_noise():
+    """1 ms steps, alternately 0.2 ms slower and faster (the noise: its floor is 0.2 ms); after
+    the gap the first step 2 ms slower, the next three 0.5 ms, then twelve 0.15 ms: below the
+    noise step by step (the estimator before cut the wake-up at step 5, 3.65 ms), above it in
+    bins of 4 and 8 steps (0.2 / sqrt 4 and 0.2 / sqrt 8): the whole 5.1 ms."""
+    noise = 0.2 * (-1.0) ** np.arange(40)
+    noise[0] = 0.0
+    tail = np.zeros(40)
+    tail[0], tail[1:4], tail[4:16] = 2.0, 0.5, 0.15
+    rows = np.tile(1.0 + noise + tail, (9, 1))
+    points = {p.busy_ms: p for p in measure.wake_curve(200, rows)}
+    # the three 0.5 ms steps read 0.3, 0.7, 0.3 with the noise
+    assert points[0].median_ms == pytest.approx(2.0 + 1.3 + 12 * 0.15)
+    assert points[4].median_ms == pytest.approx(12 * 0.15)  # after the first four steps
+    assert points[16].median_ms == pytest.approx(0.0, abs=1e-9)
+    assert all(p.p90_ms == pytest.approx(p.median_ms) for p in points.values())  # rows alike
+
+
 def test_interference_is_the_mean_time_over_the_median_of_its_shape():
     runner = ModelRunner(build_model("tiny-mixtral")[0])
     profiler = Profiler(runner, Settings([4], [1], [8], [1]), torch.device("cpu"))
