@@ -483,9 +483,10 @@ def test_a_window_that_runs_slower_as_a_whole_is_drift_not_a_wake_up(monkeypatch
 
 
 def test_a_slow_down_ends_at_the_first_step_that_is_not_slower():
-    """Per step, the median excess over the repeats (over the median of the window's second
-    half); the first step whose median is not positive ends the slow-down, so a later
-    positive step (noise, 0.4 ms at step 4) is not counted; p90 from the repeats' own sums."""
+    """Per step (the first four bins are single steps), the median excess over the repeats
+    (over the median of the window's second half); the first step whose median is not
+    positive ends the slow-down, so a later positive step (noise, 0.4 ms at step 4) is not
+    counted; p90 from the repeats' own sums."""
     rows = np.array([[3.0, 1.5, 1.0, 1.4, 1.0, 1.0, 1.0, 1.0],
                      [2.0, 1.5, 0.9, 1.4, 1.0, 1.0, 1.0, 1.0],
                      [5.0, 1.5, 1.0, 1.4, 1.0, 1.0, 1.0, 1.0]])  # fmt: skip
