@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from profiler.models import ModelError
 from profiler.schema import ProfileError
-from sim.cli import CONF_DIR, App, run
+from sim.cli import CONF_DIR, App, job, run
 from sim.cli import fail as fail_as
 from sim.config import UserError
 
@@ -52,6 +52,7 @@ def compose_config(overrides: list[str] = ()) -> DictConfig:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="profiler", version_base="1.3")
+@job
 def main(cfg: DictConfig) -> None:
     # torch loads only once the config is valid
     from profiler.measure import SettingsError, run, self_check_line

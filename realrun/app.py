@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from realrun.config import RealrunConfig, validate_realrun
 from sim.app import job_config, overload
-from sim.cli import CONF_DIR, App, discard_unfinished, fail, run
+from sim.cli import CONF_DIR, App, discard_unfinished, fail, job, run
 from sim.config import UserError
 from sim.metrics import write_outputs
 from sim.run import build_policy
@@ -39,6 +39,7 @@ APP = App(PROG, "realrun", ("workload", "policy", "slo", "model"),
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="realrun", version_base="1.3")
+@job
 def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:

@@ -66,7 +66,7 @@ from realrun.validation_table import (
     within_replays,
 )
 from sim.app import CONF_DIR  # registers the simulator's schema (base_config) that it composes
-from sim.cli import App, fail, run
+from sim.cli import App, fail, job, run
 from sim.config import UserError, WorkloadConfig
 
 PROG = "qllm-validate"
@@ -1124,6 +1124,7 @@ def plot(records: list[dict], path: Path) -> None:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="validate", version_base="1.3")
+@job
 def main(cfg: DictConfig) -> None:
     started = time.perf_counter()
     try:

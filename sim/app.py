@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from sim import profiles, provenance
-from sim.cli import CONF_DIR, FINISHED, App, discard_unfinished, fail, lock, run
+from sim.cli import CONF_DIR, FINISHED, App, discard_unfinished, fail, job, lock, run
 from sim.config import SimConfig, UserError, ignored_keys, validate
 from sim.metrics import write_outputs
 from sim.run import build_policy, simulate
@@ -109,6 +109,7 @@ def overload(requests: pd.DataFrame) -> str | None:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+@job
 def main(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

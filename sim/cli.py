@@ -6,15 +6,22 @@ one line ``prog: error: key=value: what is allowed`` (exit 2), so a bad command 
 It pins the run (or sweep) directory on the command line Hydra then reads, and claims a single
 run's directory: one that holds a finished run, or that another process is writing, is refused.
 Ctrl-C during a sweep prints one line: what finished, and the command that resumes the sweep.
+Hydra 1.3 turns an interrupt that lands while it reads a config file into an
+UnboundLocalError, which it reports as a traceback and exit 1 (between a sweep's jobs, as it
+composes the next one's config; the Ctrl-C test met it in CI): ``run`` defers such an
+interrupt to the next job's start or the sweep's end (``Interrupts``), and a task function
+decorated with ``job`` turns an error an interrupt caused into the interrupt.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,19 +71,105 @@ def fail(prog: str, message: str) -> None:
     sys.exit(2)
 
 
+# Where an interrupt is deferred: code that reads configs (Hydra's, OmegaConf's, PyYAML's)
+# among the few innermost frames when the signal lands (the file read itself is the stdlib's:
+# codecs under pathlib under Hydra's _read_config); not deeper, so that a sweep that waits on
+# its launcher's workers (joblib, Ray: not config code) is interrupted at once, as before.
+CONFIG_CODE = re.compile(r"[/\\](hydra[/\\](_internal|core)|omegaconf|yaml)[/\\]")
+CONFIG_FRAMES = 4
+
+
+def in_config_code(frame) -> bool:
+    """Whether one of the innermost ``CONFIG_FRAMES`` frames from ``frame`` is config code."""
+    for _ in range(CONFIG_FRAMES):
+        if frame is None:
+            return False
+        if CONFIG_CODE.search(frame.f_code.co_filename):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def interrupted_by(error: BaseException | None) -> bool:
+    """Whether ``error`` is, or was raised while handling, a KeyboardInterrupt."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class Interrupts:
+    """The SIGINT handler while ``run`` runs an app: a KeyboardInterrupt at once in a job
+    (``job``) or anywhere but config code; in config code outside a job (Hydra composing a
+    sweep's next job), only noted, and raised at the next job's start or the app's end."""
+
+    def __init__(self) -> None:
+        self.in_job = False
+        self.pending = False
+
+    def __call__(self, signum: int, frame) -> None:
+        if self.in_job or not in_config_code(frame):
+            raise KeyboardInterrupt
+        self.pending = True
+
+
+INTERRUPTS = Interrupts()
+
+
+def job(task: Callable[[DictConfig], object]) -> Callable[[DictConfig], object]:
+    """Decorates an app's task function (under ``hydra.main``): it starts with an interrupt
+    that came while Hydra was composing its config, and an error that an interrupt caused
+    inside it (Hydra's compose in a job) leaves it as the interrupt."""
+
+    @functools.wraps(task)
+    def wrapper(cfg: DictConfig) -> object:
+        if INTERRUPTS.pending:
+            raise KeyboardInterrupt
+        INTERRUPTS.in_job = True
+        try:
+            return task(cfg)
+        except Exception as e:
+            if interrupted_by(e):
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            INTERRUPTS.in_job = False
+
+    return wrapper
+
+
 def run(app: App, main: Callable[[], object], argv: Sequence[str] | None = None) -> None:
     """Check the command line, then run ``main`` (a ``hydra.main`` function) on it."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Ctrl-C's own handler only: an ignored SIGINT (a background job) stays ignored
+    handled = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if handled:
+        signal.signal(signal.SIGINT, INTERRUPTS)
+    plan = None
     try:
-        plan = prepare(app, argv)
-    except UserError as e:
-        fail(app.prog, str(e))
-    sys.argv = [sys.argv[0], *plan.argv]
-    try:
+        try:
+            plan = prepare(app, argv)
+        except UserError as e:
+            if not INTERRUPTS.pending:  # else: an error the interrupt made
+                fail(app.prog, str(e))
+        if INTERRUPTS.pending:  # while the command line was checked: nothing ran
+            raise KeyboardInterrupt
+        sys.argv = [sys.argv[0], *plan.argv]
         main()
+        if INTERRUPTS.pending:  # it came after the last job started
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
-        print(f"{app.prog}: interrupted: {interrupted(app, plan)}", file=sys.stderr, flush=True)
+        what = ("nothing ran (the command line was being checked)" if plan is None
+                else interrupted(app, plan))  # fmt: skip
+        print(f"{app.prog}: interrupted: {what}", file=sys.stderr, flush=True)
         sys.exit(130)
+    finally:
+        INTERRUPTS.pending = INTERRUPTS.in_job = False
+        if handled:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def prepare(app: App, argv: list[str]) -> Plan:
