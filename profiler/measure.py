@@ -54,7 +54,7 @@ than inside an iteration, where the rest of the model streamed through the cache
   it, and summed over the window that drift swamped a wake-up of 1-2 ms (tiny-olmoe's
   profile read 0 to 11.6 ms at 50 ms of idle time in three runs; this estimator, 1.0-3.5 ms).
   The excess is read in bins of steps (``WAKE_BINS``: the first four steps one by one, then
-  4-7, 8-15, 16-31, 32-63, within the first half): per bin, the median over the repeats of
+  4-7, 8-15, 16-31, within the first half): per bin, the median over the repeats of
   each one's mean excess over the bin's steps. The slow-down ends at the first bin within the
   noise (the 90th percentile of the per-step median excess over the second half's steps,
   which are warm, over the square root of the bin's steps): it fades, it does not come back.
@@ -124,7 +124,8 @@ WAKE_WINDOW_MS = 100.0
 WAKE_STEPS_RANGE = (4, 64)
 WAKE_POINTS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 # the bins of steps (from, to) in which the wake-up's excess is read (module docstring)
-WAKE_BINS = ((0, 1), (1, 2), (2, 3), (3, 4), (4, 8), (8, 16), (16, 32), (32, 64))
+# (a window has at most WAKE_STEPS_RANGE[1] steps, so its first half ends by step 32)
+WAKE_BINS = ((0, 1), (1, 2), (2, 3), (3, 4), (4, 8), (8, 16), (16, 32))
 
 
 def wake_steps(warm_step_ms: float) -> int:

@@ -1044,10 +1044,10 @@ def summary_line(records: list[dict]) -> str:
         drift += f"; {line}"
     overload = [r for r in records if r["load"] == "overload"]
     if (floor := noise_floor(overload, THROUGHPUT_GOAL_PCT, throughput=True)) is not None:
-        exact, replay, n = floor
-        hits = sum(abs(r["error_pct"]) <= THROUGHPUT_GOAL_PCT for r in overload
-                   if r["metric"] == "throughput_jobs")  # fmt: skip
-        drift += (f"; throughput at overload within {THROUGHPUT_GOAL_PCT:g}%: {hits} of {n} "
+        exact, replay, _ = floor
+        thr = [r["error_pct"] for r in overload if r["metric"] == "throughput_jobs"]
+        hits = sum(abs(e) <= THROUGHPUT_GOAL_PCT for e in thr)
+        drift += (f"; throughput at overload within {THROUGHPUT_GOAL_PCT:g}%: {hits} of {len(thr)} "
                   f"(an exact simulator ~{exact:.1f} expected; a real replay against the "
                   f"others ~{replay:.1f})")  # fmt: skip
     if (inside := within_replays(records)) is not None:

@@ -143,7 +143,7 @@ def rows_of(name: str, records: list[dict], clock: str = "?") -> list[str]:
                    f" (exact ~{floor[0]:.0f}, a replay ~{floor[1]:.0f})")  # fmt: skip
         adjusted = [abs(r["speed_adjusted_error_pct"]) for r in point if r["cls"] != "all"
                     and math.isfinite(r.get("speed_adjusted_error_pct", math.nan))]  # fmt: skip
-        adj = (f"{sum(e <= 10 for e in adjusted)} of {len(adjusted)}, median "
+        adj = (f"{sum(e <= GOAL_PCT for e in adjusted)} of {len(adjusted)}, median "
                f"{statistics.median(adjusted):.1f}%" if adjusted else "-")  # fmt: skip
         moved = [r["sim_sensitivity_pct"] for r in point if r["cls"] != "all"
                  and math.isfinite(r.get("sim_sensitivity_pct", math.nan))]  # fmt: skip
