@@ -82,6 +82,10 @@ class ValidateConfig(EngineConfig):
     # each point is also simulated with every iteration this much slower and faster: how
     # far its figures move says how well a timing model can predict them at all (0: off)
     sensitivity_pct: float = 2.0
+    # each round's real runs in a seeded random order (another each round), so that the host's
+    # drift and what the profile's pass before a round leaves behind fall on every load alike;
+    # false: the loads in turn (light, knee, overload), each policy in turn
+    shuffle: bool = True
     clock: ClockKind = ClockKind.wall  # wall, or cpu (the profile then on the process clock)
     profile: dict[str, Any] = field(default_factory=dict)  # path, or the profiler's settings
     progress: bool = True

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import shutil
 import statistics
 import sys
@@ -310,6 +311,20 @@ class ProfileSource:
         return build_profile(self.prof, self.info, self.name, [*points, *self.extra])
 
 
+def run_orders(cases: int, replays: int, seed: int, shuffle: bool = True) -> list[list[int]]:
+    """Per round (one per replay), the order of the cases' real runs: each case once, in a
+    random order drawn from ``seed`` and the round (another each round), or in turn when
+    not ``shuffle``. Run in turn, the light points came first in every round, right after the
+    profile's pass, and the host's drift over a round fell on the loads unevenly."""
+    orders = []
+    for r in range(replays):
+        order = list(range(cases))
+        if shuffle:
+            random.Random(f"{seed}/{r}").shuffle(order)
+        orders.append(order)
+    return orders
+
+
 def point_requests(num_requests: int, rate: float, min_run_s: float, max_run_s: float) -> int:
     """How many requests a point at ``rate`` replays: ``num_requests``, more where their
     arrivals would span less than ``min_run_s`` (ceil(rate x min_run_s)), fewer where they
@@ -501,11 +516,11 @@ IDLE_AFTER_S = 1e-3  # an idle time before a segment longer than this is a gap (
 
 
 def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
-                   host=None) -> list[dict]:  # fmt: skip
+                   host=None, run: int | None = None) -> list[dict]:  # fmt: skip
     """One row per executed segment: its shape, measured and predicted time (``latency``'s
     plan for that batch), and the engine's host time just before it (``host_gap_s``, see
     ``host_gaps``) beside what ``host`` (batch size -> seconds: the ``engine_host`` term)
-    predicts for it."""
+    predicts for it; ``run``: the real run's place in the validation's order (0 first)."""
     rows = []
     wake = None  # (idle seconds, busy seconds since) while the simulator would charge a wake-up
     after = "start"  # the phase of the segment just before (the run's first: start)
@@ -528,7 +543,8 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
         kind = ("preempted" if seg.preempted else "merged" if seg.merged
                 else "after merge" if partner is not None
                 else "resumed" if seg.start_cursor else "whole")  # fmt: skip
-        rows.append({"policy": policy, "rate": rate, "replay": replay, "batch": seg.batch,
+        rows.append({"policy": policy, "rate": rate, "replay": replay, "run": run,
+                     "batch": seg.batch,
                      "phase": seg.phase, "size": len(seg.shape), "tokens": phase_tokens,
                      "start_cursor": seg.start_cursor, "end_cursor": seg.end_cursor,
                      "kind": kind, "bound": seg.bound, "idle_s": seg.idle_s,
@@ -882,13 +898,15 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     drifts = [[] for _ in cases]  # per case: the probe after each of its replays
     bar = tqdm(total=len(cases) * cfg.replays, desc="validating", unit="run",
                disable=not cfg.progress)  # fmt: skip
-    # Round by round: every case's replay r, then a pass of the profile (when measured now).
-    for _ in range(cfg.replays):
-        for i, (_, _, policy) in enumerate(cases):
+    # Round by round: every case once (in a random order: run_orders), then a pass of the
+    # profile (when measured now).
+    orders = run_orders(len(cases), cfg.replays, cfg.seed, cfg.shuffle)
+    for round_no, order in enumerate(orders):
+        for place, i in enumerate(order):
             requests, prompts = workloads[i]
-            real = execute(requests, prompts, build_scheduler(sims[policy], profile), runner,
-                           cfg.slo, make_clock(ClockKind(cfg.clock)))  # fmt: skip
-            reals[i].append((real.summary, real.result.segments))
+            real = execute(requests, prompts, build_scheduler(sims[cases[i][2]], profile),
+                           runner, cfg.slo, make_clock(ClockKind(cfg.clock)))  # fmt: skip
+            reals[i].append((real.summary, real.result.segments, round_no * len(cases) + place))
             if probe is not None:
                 drifts[i].append(100 * (probe() / reference_s - 1))
             bar.update()
@@ -920,8 +938,8 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
         # a segment holds no host time between iterations: predicted without engine_host
         predictor = build_latency(sims[policy], segment_profile)
         speeds, adjusted, windows = [], [], []
-        for replay, (_, segments) in enumerate(reals[i]):
-            replay_rows = iteration_rows(policy, rate, replay, segments, predictor, host)
+        for replay, (_, segments, place) in enumerate(reals[i]):
+            replay_rows = iteration_rows(policy, rate, replay, segments, predictor, host, place)
             rows += replay_rows
             speeds.append(run_speed(replay_rows))
             windows += window_speeds(replay_rows)
@@ -939,7 +957,7 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
                                    warn=False).summary)  # fmt: skip
         drift = round(statistics.median(drifts[i]), 2) if drifts[i] else None
         records += records_of(policy, rate, load_label(u, cfg.utilizations),
-                              [summary for summary, _ in reals[i]], sim.summary, drift,
+                              [summary for summary, _, _ in reals[i]], sim.summary, drift,
                               duty, adjusted, speeds, windows, bounds,
                               cfg.sensitivity_pct)  # fmt: skip
     if beyond:

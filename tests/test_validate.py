@@ -48,6 +48,7 @@ from realrun.validate import (
     point_requests,
     predict_segment,
     records_of,
+    run_orders,
     run_speed,
     run_validation,
     shape_batch,
@@ -198,6 +199,14 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
         100 * (segments["predicted_s"] - segments["measured_s"]) / segments["measured_s"],
         rel=1e-3, abs=1e-3)  # fmt: skip
     assert {"prefill", "decode"} <= set(segments["phase"])
+    # each real run's place in the validation: every round (a replay) runs each point once,
+    # in the order run_orders draws for it (the points: each rate, each policy within it)
+    places = segments.groupby("run")[["policy", "rate", "replay"]].agg(set)
+    assert list(places.index) == list(range(8)) and (places.map(len) == 1).all().all()
+    cases = [(p, r) for r in rates for p in ("fcfs", "qllm")]
+    for run, (policy, rate, replay) in places.map(min).iterrows():
+        assert replay == run // 4
+        assert (policy, rate) == cases[run_orders(4, 2, cfg.seed)[replay][run % 4]]
     # a gap before every segment but each run's first
     gaps = segments["host_gap_s"]
     assert gaps.isna().sum() == segments.groupby(["policy", "rate", "replay"]).ngroups
@@ -244,6 +253,16 @@ def test_a_point_gets_more_requests_when_short_and_fewer_when_long():
     assert point_requests(120, 20.0, 2.0, 15.0) == 120  # 6 s: neither bound
     assert point_requests(120, 3.87, 2.0, 0.0) == 120  # 0: no cap
     assert point_requests(120, 90.0, 0.0, 15.0) == 120  # 0: no floor
+
+
+def test_each_round_runs_every_point_once_in_an_order_of_its_own():
+    orders = run_orders(9, 3, seed=0)
+    assert len(orders) == 3 and all(sorted(o) == list(range(9)) for o in orders)
+    assert len({tuple(o) for o in orders}) == 3  # another order each round
+    assert orders != [list(range(9))] * 3 and run_orders(9, 3, seed=0) == orders
+    assert run_orders(9, 3, seed=1) != orders  # the seed draws them
+    # in turn: the loads one after the other, light first (the runs before 2026-12-03)
+    assert run_orders(9, 2, seed=0, shuffle=False) == [list(range(9))] * 2
 
 
 @pytest.mark.parametrize(
