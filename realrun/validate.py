@@ -501,6 +501,8 @@ def predict_segment(
 
 
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# decode steps since the last idle gap (iteration_errors): the wake-up and its tail
+SINCE_IDLE_BUCKETS = (1, 3, 7, 15, 31, 63)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096)
 
 
@@ -516,18 +518,22 @@ IDLE_AFTER_S = 1e-3  # an idle time before a segment longer than this is a gap (
 
 
 def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
-                   host=None, run: int | None = None) -> list[dict]:  # fmt: skip
+                   host=None, run: int | None = None, load: str = "") -> list[dict]:  # fmt: skip
     """One row per executed segment: its shape, measured and predicted time (``latency``'s
     plan for that batch), and the engine's host time just before it (``host_gap_s``, see
     ``host_gaps``) beside what ``host`` (batch size -> seconds: the ``engine_host`` term)
-    predicts for it; ``run``: the real run's place in the validation's order (0 first)."""
+    predicts for it; ``run``: the real run's place in the validation's order (0 first);
+    ``load``: the point's (``load_label``); ``since_idle``: the segments since the run's last
+    idle gap (0: the first after it; None before the first)."""
     rows = []
     wake = None  # (idle seconds, busy seconds since) while the simulator would charge a wake-up
     after = "start"  # the phase of the segment just before (the run's first: start)
     before = None  # the segment just before
+    since = None  # segments since the last idle gap
     for seg, host_gap_s in zip(segments, host_gaps(segments), strict=True):
         if seg.idle_s > 0:
             wake = (seg.idle_s, 0.0)
+        since = 0 if seg.idle_s > IDLE_AFTER_S else None if since is None else since + 1
         # the rest of an iteration after a merge: the merged batch, the running batch's
         # sequences first (the engine's shape), the partner's after them
         partner = (seg.shape[len(before.shape):] if before is not None and before.merged
@@ -544,7 +550,7 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
                 else "after merge" if partner is not None
                 else "resumed" if seg.start_cursor else "whole")  # fmt: skip
         rows.append({"policy": policy, "rate": rate, "replay": replay, "run": run,
-                     "batch": seg.batch,
+                     "load": load, "since_idle": since, "batch": seg.batch,
                      "phase": seg.phase, "size": len(seg.shape), "tokens": phase_tokens,
                      "start_cursor": seg.start_cursor, "end_cursor": seg.end_cursor,
                      "kind": kind, "bound": seg.bound, "idle_s": seg.idle_s,
@@ -577,7 +583,9 @@ def error_group(by: str, value: str, predicted: list[float], measured: list[floa
 
 def iteration_errors(rows: list[dict]) -> list[dict]:
     """The per-iteration error by group: phase x batch size, phase x tokens (prefill: prompt
-    tokens; decode: longest context), segment kind, whether an idle gap came before,
+    tokens; decode: longest context), segment kind, whether an idle gap came before, each
+    load (``load``) and its decode steps by the steps since the run's last idle gap
+    (``<load> since idle``),
     whether a decode iteration bound a new padded KV (a new batch) or reused the last one, and
     what ran just before a decode iteration (``after``: the phase of the segment before it,
     idle after a gap, start for a run's first);
@@ -593,6 +601,13 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
                 (f"{r['phase']} tokens", bucket(r["tokens"], TOKEN_BUCKETS)),
                 ("segment", r["kind"]),
                 ("after idle", "yes" if r["idle_s"] > IDLE_AFTER_S else "no")]  # fmt: skip
+        if r.get("load"):  # each load's summed error, and its decode steps by steps since
+            # the last idle gap (a wake-up's tail, or a load's own speed, at the same distance)
+            keys.append(("load", r["load"]))
+            if r["phase"] == Phase.DECODE.value:
+                since = r.get("since_idle")
+                keys.append((f"{r['load']} since idle", "no gap" if since is None
+                             else bucket(since, SINCE_IDLE_BUCKETS)))  # fmt: skip
         if r["phase"] != Phase.PREFILL.value:
             keys.append((f"{r['phase']} KV", "bound" if r["bound"] else "reused"))
             # what ran just before: a prefill's activations stream through the caches the
@@ -623,6 +638,7 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
         "mixed KV": 5,
         "decode after": 5,
         "mixed after": 5,
+        "load": 5.5,
         "engine host": 6,
         "run": 7,
     }
@@ -939,7 +955,8 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
         predictor = build_latency(sims[policy], segment_profile)
         speeds, adjusted, windows = [], [], []
         for replay, (_, segments, place) in enumerate(reals[i]):
-            replay_rows = iteration_rows(policy, rate, replay, segments, predictor, host, place)
+            replay_rows = iteration_rows(policy, rate, replay, segments, predictor, host, place,
+                                         load_label(u, cfg.utilizations))  # fmt: skip
             rows += replay_rows
             speeds.append(run_speed(replay_rows))
             windows += window_speeds(replay_rows)
@@ -1003,13 +1020,13 @@ def table(records: list[dict]) -> str:
 
 
 def iteration_table(groups: list[dict]) -> str:
-    lines = [f"{'by':<16} {'value':<8} {'n':>6} {'median ms':>10} {'median err%':>11} "
+    lines = [f"{'by':<19} {'value':<8} {'n':>6} {'median ms':>10} {'median err%':>11} "
              f"{'p10-p90 err%':>15} {'time err%':>9}"]  # fmt: skip
     runs = [g["time_error_pct"] for g in groups if g["by"] == "run"]
     for g in groups:
         if g["by"] == "run":
             continue
-        lines.append(f"{g['by']:<16} {g['value']:<8} {g['n']:>6} {g['measured_ms_median']:>10.3f} "
+        lines.append(f"{g['by']:<19} {g['value']:<8} {g['n']:>6} {g['measured_ms_median']:>10.3f} "
                      f"{g['median_error_pct']:>11.1f} "
                      f"{g['p10_error_pct']:>7.1f}..{g['p90_error_pct']:<6.1f} "
                      f"{g['time_error_pct']:>9.1f}")  # fmt: skip

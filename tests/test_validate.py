@@ -207,6 +207,9 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     for run, (policy, rate, replay) in places.map(min).iterrows():
         assert replay == run // 4
         assert (policy, rate) == cases[run_orders(4, 2, cfg.seed)[replay][run % 4]]
+    # each segment's load, and the segments since its run's last idle gap
+    assert set(segments["load"]) == {"light", "loaded"}
+    assert (segments.loc[segments["idle_s"] > 1e-3, "since_idle"] == 0).all()
     # a gap before every segment but each run's first
     gaps = segments["host_gap_s"]
     assert gaps.isna().sum() == segments.groupby(["policy", "rate", "replay"]).ngroups
@@ -645,6 +648,30 @@ def test_the_segments_after_an_idle_gap_share_its_wake_up_as_the_simulator_charg
     groups = {(g["by"], g["value"]): g["n"] for g in iteration_errors(rows)}
     assert groups[("decode after", "prefill")] == 2 and groups[("decode after", "decode")] == 5
     assert ("prefill after", "start") not in groups  # decode iterations only
+
+
+def test_decode_steps_are_grouped_by_load_and_by_the_steps_since_the_last_idle_gap():
+    """A run that starts busy (no gap yet), then a gap before a prefill and six decode steps,
+    then another gap: each decode step in its load's bucket of steps since the gap."""
+    latency = LatencyModel(linear_profile(), RoutingModel(4, 8, 2))
+    prefill, decode = [("prefill", 20, 0)], [("decode", 1, 20)]
+    end = latency.plan(shape_batch("decode", decode)).num_stages
+    first = Segment(0, "decode", decode, 0, end, 0.0, 0.014, 0.0, False)
+    segs = [first, Segment(1, "prefill", prefill, 0, end, 0.0, 0.03, 0.2, False)]
+    segs += [replace(first, batch=i) for i in range(2, 8)]
+    segs += [replace(segs[1], idle_s=0.3), replace(first, idle_s=0.0005)]  # under 1 ms: no gap
+    rows = iteration_rows("fcfs", 1.0, 0, segs, latency, load="light")
+    assert [r["since_idle"] for r in rows] == [None, 0, 1, 2, 3, 4, 5, 6, 0, 1]
+    groups = {(g["by"], g["value"]): g["n"] for g in iteration_errors(rows)}
+    assert groups[("load", "light")] == 10
+    assert {v: n for (by, v), n in groups.items() if by == "light since idle"} == {
+        "no gap": 1,
+        "<=1": 2,
+        "<=3": 2,
+        "<=7": 3,
+    }  # decode steps only
+    unlabelled = iteration_errors(iteration_rows("fcfs", 1.0, 0, segs, latency))
+    assert not [g for g in unlabelled if g["by"] == "load" or "since idle" in g["by"]]
 
 
 def test_a_machine_slower_in_a_light_loads_pattern_is_warned_about():
