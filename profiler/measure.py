@@ -34,8 +34,9 @@ than inside an iteration, where the rest of the model streamed through the cache
 - ``attn_decode_bind(B, kv)``: the attention of the first step of a new decode batch, which
   copies every sequence's cache into the batch's padded buffer (a step of the same batch
   reuses it): the same shapes, before each step one sequence replaced by a newly prefilled
-  one (``Profiler.bind``). In the tiny-mixtral profile of results/validation (one thread) such
-  a step's attention costs 1.2-1.6x a reused one at batch 1-4 and 1.6-2.0x at batch 16-32;
+  one (``Profiler.bind``). In the tiny-mixtral profiles of ``make validate`` (one thread) such
+  a step's attention cost 1.2-1.6x a reused one at batch 1-4 and 1.6-2.0x at batch 16-32
+  (2026-12-01; 1.1-1.7x and 1.5-2.0x on 2026-12-03);
   the rest of the step costs about the same;
 - every expert stage of the prefill and decode iterations gives a sample of ``expert(n)``, n
   its queue size; samples are pooled in bins around ``grid.expert_tokens`` (a point per bin:

@@ -192,8 +192,9 @@ PREFILL_ATTENTION = ("per_prompt", "batched")
 # noise.
 REPEATED_OPS = ("attn_prefill", "attn_decode", "attn_decode_bind", "router", "lm_head")
 # A point whose p90 exceeds its median this many times had at least a tenth of its repeats
-# slowed down that much by something else. The tiny-mixtral profile in results/validation,
-# taken on a quiet machine, has 1.54x at worst (median 1.22x); on this project's 2-core machine
+# slowed down that much by something else. The tiny-mixtral profile of `make validate`, taken
+# on a quiet machine (2026-11-30), had 1.54x at worst (median 1.22x; 1.78x and 1.35x in that
+# of 2026-12-03, clock=cpu, between rounds of real runs); on this project's 2-core machine
 # at a load of ~10 a threads=1 profile reached 2.7x (process clock) and 50x (wall clock), and
 # with all threads some stages came out 1,600x slower.
 NOISY_SPREAD = 2.0
