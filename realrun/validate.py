@@ -953,10 +953,11 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     for i, (u, rate, policy) in enumerate(cases):
         # a segment holds no host time between iterations: predicted without engine_host
         predictor = build_latency(sims[policy], segment_profile)
+        load = load_label(u, cfg.utilizations)
         speeds, adjusted, windows = [], [], []
         for replay, (_, segments, place) in enumerate(reals[i]):
             replay_rows = iteration_rows(policy, rate, replay, segments, predictor, host, place,
-                                         load_label(u, cfg.utilizations))  # fmt: skip
+                                         load)  # fmt: skip
             rows += replay_rows
             speeds.append(run_speed(replay_rows))
             windows += window_speeds(replay_rows)
@@ -973,7 +974,7 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
             bounds.append(simulate(sims[policy], requests=workloads[i][0], profile=moved,
                                    warn=False).summary)  # fmt: skip
         drift = round(statistics.median(drifts[i]), 2) if drifts[i] else None
-        records += records_of(policy, rate, load_label(u, cfg.utilizations),
+        records += records_of(policy, rate, load,
                               [summary for summary, _, _ in reals[i]], sim.summary, drift,
                               duty, adjusted, speeds, windows, bounds,
                               cfg.sensitivity_pct)  # fmt: skip
