@@ -30,7 +30,18 @@ than inside an iteration, where the rest of the model streamed through the cache
   attention, router, expert and lm_head stages (that is the prepare stage, the stages of
   experts that received no token, the dispatch between stages, and the skew of stage times:
   the simulator adds per-stage medians, and this term makes them add up to the measured mean
-  iteration, which is what mean TTFT and turnaround are made of);
+  iteration, which is what mean TTFT and turnaround are made of), and ``prepare_decode(B)``,
+  that prepare stage alone (pooled over kv; it stays part of ``step_overhead``);
+- every prefill iteration of N tokens in all (one prompt, a pair, a batch) gives
+  ``prepare_prefill(N)`` and ``lm_head_prefill(N)``, its prepare and lm_head stages (pooled
+  over prompt counts at equal N): a prefill's prepare embeds, positions and masks all its
+  tokens, and its lm_head stage runs the last layer's combine over all of them, where a
+  decode step's run over one token per sequence. Charged the decode's ``step_overhead`` and
+  ``lm_head`` at its prompt count, as before these ops, the profile's own prefills came out
+  1-7% short (self-check medians, 29 of 30 preset profiles of `make validate` 2026-12-02..03):
+  in tiny-qwen3-moe's profile (2026-12-03) a prefill of 256 tokens spent 0.47 ms in prepare
+  and 0.34 in lm_head against 0.18 and 0.18 of a decode step of one sequence, 4 prompts of
+  256 tokens 1.19 and 0.74 ms;
 - ``attn_decode_bind(B, kv)``: the attention of the first step of a new decode batch, which
   copies every sequence's cache into the batch's padded buffer (a step of the same batch
   reuses it): the same shapes, before each step one sequence replaced by a newly prefilled
@@ -483,7 +494,13 @@ class Profiler:
         in ``prompts`` equal prompts (attention only when one prompt), or a decode ``batch`` with
         ``kv`` cached tokens each (which also gives lm_head and step_overhead)."""
         attention = ("attn_decode", batch, 0, kv) if batch else ("attn_prefill", 0, num_tokens, 0)
-        ops = {"router": ("router", 0, num_tokens, 0), "lm_head": ("lm_head", batch, 0, 0)}
+        ops = {"router": ("router", 0, num_tokens, 0)}
+        if batch:
+            ops["lm_head"] = ("lm_head", batch, 0, 0)
+            ops["prepare"] = ("prepare_decode", batch, 0, 0)
+        else:
+            ops["lm_head"] = ("lm_head_prefill", 0, num_tokens, 0)
+            ops["prepare"] = ("prepare_prefill", 0, num_tokens, 0)
         if batch or prompts == 1:  # a prefill batch's attention stage runs every prompt's
             ops["attention"] = attention
         # a prefill's attention stage, split (attn_prefill_outer, attn_prefill_next)
@@ -504,7 +521,7 @@ class Profiler:
                     experts += st.ms
                 elif stage == "router":
                     routers.append(st.ms)
-                elif stage in ops and (batch or stage != "lm_head"):
+                elif stage in ops:
                     self.samples[ops[stage]].append(st.ms)
                     filed[ops[stage]] += 1
                 if st.calls:  # a prefill's attention stage, its prompts' calls timed
@@ -522,9 +539,11 @@ class Profiler:
         for op, n in filed.items():
             counts.setdefault(op, n // len(runs))
         if batch:
-            # mean iteration minus the stage medians the latency model will add up
+            # mean iteration minus the stage medians the latency model will add up (the prepare
+            # stage is not one of them: it is part of step_overhead; prepare_decode, filed
+            # beside it, lets a prefill's plan swap it for its own)
             stage_ms = sum(counts[op] * summarize(self.samples[op][-n:])[0]
-                           for op, n in filed.items())  # fmt: skip
+                           for op, n in filed.items() if op[0] != "prepare_decode")  # fmt: skip
             mean_total = float(np.mean([total for total, _ in runs]))
             residual = mean_total - stage_ms - float(np.median(expert_ms))
             self.samples[("step_overhead", batch, 0, 0)].append(max(residual, 0.0))

@@ -85,6 +85,23 @@ op                        key columns (others are 0)     what was timed
                                                          of one token per sequence
 ``step_overhead``         batch_size                     per-iteration framework cost:
                                                          embeddings, input preparation, Python
+``prepare_decode``        batch_size                     optional: the prepare stage of a
+                                                         decode step (embeddings, positions,
+                                                         masks), part of ``step_overhead``
+``prepare_prefill``       num_tokens                     optional: the prepare stage of a
+                                                         prefill of num_tokens in all
+``lm_head_prefill``       num_tokens                     optional: the lm_head stage of a
+                                                         prefill of num_tokens in all (the
+                                                         last layer's combine over all of
+                                                         them, then ``lm_head``'s work). The
+                                                         three together or none: a prefill or
+                                                         mixed iteration of k sequences, N
+                                                         new tokens, is charged
+                                                         step_overhead(k) -
+                                                         prepare_decode(k) +
+                                                         prepare_prefill(N) and
+                                                         lm_head_prefill(N); absent:
+                                                         step_overhead(k) and lm_head(k)
 ``engine_host``           batch_size                     optional: the serving engine's host
                                                          time per iteration outside the
                                                          model (admitting arrivals, the
@@ -173,7 +190,12 @@ OPS: dict[str, tuple[str, ...]] = {
     "preempt_switch": ("num_tokens",),
     "wake_up": ("idle_ms", "busy_ms"),
     "engine_host": ("batch_size",),
+    "prepare_decode": ("batch_size",),
+    "prepare_prefill": ("num_tokens",),
+    "lm_head_prefill": ("num_tokens",),
 }
+# a prefill's own prepare and lm_head stages: all three ops or none (LatencyModel.plan)
+PREFILL_STAGE_OPS = ("prepare_decode", "prepare_prefill", "lm_head_prefill")
 OPTIONAL_OPS = frozenset(
     {
         "attn_decode_bind",
@@ -184,6 +206,7 @@ OPTIONAL_OPS = frozenset(
         "preempt_switch",
         "wake_up",
         "engine_host",
+        *PREFILL_STAGE_OPS,
     }
 )
 PREFILL_ATTENTION = ("per_prompt", "batched")
@@ -393,6 +416,13 @@ class Profile:
             raise ProfileError(
                 f"{where}: {split.pop()} needs both attn_prefill_outer and attn_prefill_next "
                 "(a prefill's attention stage, split)"
+            )
+        stage_ops = set(PREFILL_STAGE_OPS) & {p.op for p in self.points}
+        if stage_ops and len(stage_ops) < len(PREFILL_STAGE_OPS):  # else silently ignored
+            raise ProfileError(
+                f"{where}: {', '.join(sorted(stage_ops))} without "
+                f"{', '.join(sorted(set(PREFILL_STAGE_OPS) - stage_ops))}: a prefill's own "
+                "prepare and lm_head stages need all three ops"
             )
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ProfileError(

@@ -75,6 +75,8 @@ def unsupported(scheds: list[Scheduler], latencies: list[LatencyModel]) -> str |
         return "routing without pools"
     if not lat.prefill_batched and lat.attn_prefill_next is not None:
         return "per-prompt prefill attention split in attn_prefill_outer/next"
+    if lat.prepare_prefill is not None:
+        return "a prefill's own prepare and lm_head stages (prepare_prefill, lm_head_prefill)"
     expert = lat.expert
     if len(lat._expert_table) != int(expert.xs[-1]) + 1 or expert.xs[-1] != int(expert.xs[-1]):
         return "an expert grid beyond the latency model's table"

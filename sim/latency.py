@@ -4,9 +4,12 @@ An iteration of a batch is planned as a flat list of stages::
 
     [step_overhead] + for each layer l: [attention(l), router(l), expert(l, 0..E-1)] + [lm_head]
 
-An expert that received no token has a zero-length stage. ``Plan.offset(i)`` is the time at
-which stage i starts (boundary i); a batch's cursor is such a boundary index. Which
-boundaries allow preemption depends on the policy's granularity (``Plan.preemptible``).
+A prefill or mixed iteration's first and last stages are its own when the profile measured
+them (``prepare_prefill``, ``lm_head_prefill``: over all its new tokens, where a decode step's
+run over one token per sequence). An expert that received no token has a zero-length stage.
+``Plan.offset(i)`` is the time at which stage i starts (boundary i); a batch's cursor is such
+a boundary index. Which boundaries allow preemption depends on the policy's granularity
+(``Plan.preemptible``).
 A suspended batch pays ``LatencyModel.switch_s`` (the profile's context-switch cost) when it
 resumes, before the stage at its cursor; the first batches after an idle stretch pay
 ``LatencyModel.wake_s`` before they start: the profile's wake-up cost at that idle time, each
@@ -28,7 +31,7 @@ from functools import cached_property
 import numpy as np
 
 from policies.core import Batch, Granularity, Phase
-from profiler.schema import PREFILL_ATTENTION, OpPoint, Profile
+from profiler.schema import PREFILL_ATTENTION, PREFILL_STAGE_OPS, OpPoint, Profile
 
 # ops that Profile.interference does not scale: the wake-up is an excess over warm steps
 # measured on the same machine at the same time
@@ -635,6 +638,13 @@ class LatencyModel:
                                       self.expert_idle_s)  # fmt: skip
         self.lm_head = Curve1D(profile.op_points("lm_head"), "batch_size")
         self.overhead = Curve1D(overhead_points(profile), "batch_size")
+        # a prefill's own prepare and lm_head stages (the three ops, or None: a profile
+        # without them charges a prefill the decode's, at its prompt count)
+        staged = [profile.op_points(op) for op in PREFILL_STAGE_OPS]
+        self.prepare_decode, self.prepare_prefill, self.lm_head_prefill = (
+            (Curve1D(staged[0], "batch_size"), Curve1D(staged[1], "num_tokens"),
+             Curve1D(staged[2], "num_tokens")) if all(staged) else (None, None, None)
+        )  # fmt: skip
         self.prefill_attention = prefill_attention or profile.prefill_attention
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"must be one of {list(PREFILL_ATTENTION)}")
@@ -673,6 +683,7 @@ class LatencyModel:
         curves += [self.expert, self.lm_head]
         curves += [self.overhead, self.attn_prefill_batch, self.attn_chunk, self.switch]
         curves += [self.attn_prefill_outer, self.attn_prefill_next]
+        curves += [self.prepare_decode, self.prepare_prefill, self.lm_head_prefill]
         return [c for c in curves if c is not None]
 
     def extrapolations(self) -> list[str]:
@@ -775,12 +786,17 @@ class LatencyModel:
         else:
             counts, experts = self.experts(tokens)
         kv = decode_kv(batch) if batch.phase is Phase.DECODE else None
+        overhead, lm_head = self.overhead.scalar(batch.size), None
+        if kv is None and self.prepare_prefill is not None:  # its own prepare and lm_head
+            overhead = (max(overhead - self.prepare_decode.scalar(batch.size), 0.0)
+                        + self.prepare_prefill.scalar(tokens))  # fmt: skip
+            lm_head = self.lm_head_prefill.scalar(tokens)
         return Plan(
-            overhead_s=self.overhead.scalar(batch.size) + batch.swap_tokens * self.swap_s_per_token,
+            overhead_s=overhead + batch.swap_tokens * self.swap_s_per_token,
             attention_s=self.attention_s(batch, bind, kv),
             router_s=self.router.scalar(tokens),
             experts_s=experts,
-            lm_head_s=self.lm_head.scalar(batch.size),
+            lm_head_s=self.lm_head.scalar(batch.size) if lm_head is None else lm_head,
             expert_tokens=counts,
             kv_tokens=kv,
         )

@@ -181,9 +181,15 @@ def test_what_the_loop_does_not_model_is_refused(tmp_path):
             for i, b, m in ((100, 0, 5.0), (100, 10, 0.0))]  # fmt: skip
     bind = [OpPoint("attn_decode_bind", batch_size=b, kv_tokens=k, median_ms=1.5, p90_ms=1.5)
             for b in (1, 64) for k in (0, 4096)]  # fmt: skip
+    staged = [OpPoint(op, **{key: x}, median_ms=0.1, p90_ms=0.1)
+              for op, key in (("prepare_decode", "batch_size"), ("prepare_prefill", "num_tokens"),
+                              ("lm_head_prefill", "num_tokens"))
+              for x in (1, 4096)]  # fmt: skip
     measured = dataclasses.replace(dense_first_layer(base), expert_load=[[1 / 8] * 8] * 4)
     for name, profile, extra, what in (
         ("wake", dataclasses.replace(base, points=[*base.points, *wake]), [], "wake_up"),
+        ("staged", dataclasses.replace(base, points=[*base.points, *staged]), [],
+         "prepare_prefill"),
         ("bind", dataclasses.replace(base, points=[*base.points, *bind]), [],
          "attn_decode_bind"),
         ("measured", measured, ["profile.routing=profile"], "prompt_experts"),

@@ -153,6 +153,58 @@ def test_half_a_split_is_refused():
             with_points(linear_profile(), *points)
 
 
+def prefill_stage_points() -> list[OpPoint]:
+    """prepare_decode(B) = 0.1 ms + 0.01 ms per sequence (linear_profile's step_overhead: 3 ms
+    flat); prepare_prefill(N) = 0.2 ms + 1 us per token; lm_head_prefill(N) = 0.1 ms + 2 us
+    per token (linear_profile's lm_head: 2 ms flat)."""
+    return ([OpPoint("prepare_decode", batch_size=b, median_ms=0.1 + b / 100) for b in (1, 64)]
+            + [OpPoint("prepare_prefill", num_tokens=n, median_ms=0.2 + n / 1000)
+               for n in (1, 4096)]
+            + [OpPoint("lm_head_prefill", num_tokens=n, median_ms=0.1 + n / 500)
+               for n in (1, 4096)])  # fmt: skip
+
+
+def test_a_prefill_pays_its_own_prepare_and_lm_head_stages_by_its_tokens():
+    """Prompts of 100, 200 and 300 tokens: step_overhead(3) without the decode's prepare(3)
+    (3 - 0.13 ms), plus prepare_prefill(600) (0.8 ms); lm_head_prefill(600) (1.3 ms), not
+    lm_head(3) (2 ms). A mixed iteration is charged the same by its new tokens (32 + 2 decode
+    steps); a decode step is charged as before; a profile without the ops too."""
+    staged = LatencyModel(with_points(linear_profile(), *prefill_stage_points()))
+    plain = LatencyModel(linear_profile())
+    three = prefill(100, 200, 300)
+    plan = staged.plan(three)
+    assert plan.overhead_s == pytest.approx((3.0 - 0.13 + 0.8) / 1e3)
+    assert plan.lm_head_s == pytest.approx(1.3e-3)
+    assert plan.total_s - plain.plan(three).total_s == pytest.approx(
+        (-0.13 + 0.8 + 1.3 - 2.0) / 1e3, abs=1e-9
+    )
+    mixed = staged.plan(mixed_with_a_chunk(0))
+    assert mixed.overhead_s == pytest.approx((3.0 - 0.13 + 0.234) / 1e3)
+    assert mixed.lm_head_s == pytest.approx((0.1 + 34 / 500) / 1e3)
+    decode = Batch([decoding(i, 30) for i in range(3)], Phase.DECODE)
+    assert staged.plan(decode).overhead_s == plain.plan(decode).overhead_s == 3e-3
+    assert staged.plan(decode).lm_head_s == plain.plan(decode).lm_head_s == 2e-3
+    assert {"prepare_prefill", "lm_head_prefill"} <= {c.op for c in staged.curves()}
+    assert plain.prepare_prefill is None
+
+
+def test_a_prefills_prepare_never_makes_the_rest_of_its_overhead_negative():
+    """step_overhead below the decode's prepare at some batch size (they are medians of
+    different samples): the rest is 0, not a negative time."""
+    points = [p for p in prefill_stage_points() if p.op != "prepare_decode"]
+    points += [OpPoint("prepare_decode", batch_size=b, median_ms=4.0) for b in (1, 64)]
+    plan = LatencyModel(with_points(linear_profile(), *points)).plan(prefill(100))
+    assert plan.overhead_s == pytest.approx(0.3e-3)
+
+
+@pytest.mark.parametrize("left_out", ["prepare_decode", "prepare_prefill", "lm_head_prefill"])
+def test_two_of_a_prefills_three_stage_ops_are_refused(left_out):
+    """Without one of them the latency model would ignore the other two: not silently."""
+    points = [p for p in prefill_stage_points() if p.op != left_out]
+    with pytest.raises(ProfileError, match=f"without {left_out}: a prefill's own prepare"):
+        with_points(linear_profile(), *points)
+
+
 def test_builtin_profiles_model_an_engine_that_batches_prefill_attention():
     """The nf4 profile's stage is host bound (~0.82 ms flat per call): 10 prompts of 100
     tokens cost ~10 calls per prompt, ~1 call batched."""

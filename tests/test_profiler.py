@@ -64,6 +64,9 @@ def test_every_tiny_model_profiles_on_the_cpu(tmp_path, model):
         "attn_decode_bind",
         "attn_prefill_outer",
         "attn_prefill_next",
+        "prepare_decode",
+        "prepare_prefill",
+        "lm_head_prefill",
     }
     assert loaded.model == profile.model and loaded.model.name == model
     assert loaded.dtype == "float32" and loaded.torch_version == torch.__version__
@@ -738,8 +741,39 @@ def test_a_router_sample_is_an_iterations_mean_over_its_layers():
     prof.record([(total, stages)] * 3, num_tokens=1, batch=1, kv=8)
     assert prof.samples[("router", 0, 1, 0)] == [pytest.approx(0.4)] * 3
     assert prof.samples[("attn_decode", 1, 0, 8)] == [0.5] * 9
-    # what the stage medians leave of the iteration: the prepare stage alone
+    # what the stage medians leave of the iteration: the prepare stage alone, also filed as
+    # prepare_decode (which step_overhead keeps: a prefill's plan swaps it for its own)
     assert prof.samples[("step_overhead", 1, 0, 0)] == [pytest.approx(0.2)]
+    assert prof.samples[("prepare_decode", 1, 0, 0)] == [0.2] * 3
+    assert prof.samples[("lm_head", 1, 0, 0)] == [0.4] * 3
+
+
+def test_a_prefill_files_its_own_prepare_and_lm_head_stages_by_its_tokens():
+    """A prefill's prepare stage embeds and masks all its N tokens and its lm_head stage runs
+    the last layer's combine over them: filed as prepare_prefill(N) and lm_head_prefill(N),
+    whatever the prompt count (a pair of 8 and one prompt of 16 pool), never as the decode's
+    lm_head(batch 0) nor into step_overhead."""
+    ref = measure.StageRef
+
+    def run(prepare_ms, lm_head_ms):
+        stages = [measure.StageTime(ref(0, "prepare", -1, -1), 0, prepare_ms),
+                  measure.StageTime(ref(0, "attention", 0, -1), 0, 0.5),
+                  measure.StageTime(ref(0, "router", 0, -1), 0, 0.1),
+                  measure.StageTime(ref(0, "expert", 0, 0), 16, 0.3),
+                  measure.StageTime(ref(0, "lm_head", -1, -1), 0, lm_head_ms)]  # fmt: skip
+        return sum(st.ms for st in stages), stages
+
+    prof = Profiler.__new__(Profiler)
+    prof.samples, prof.expert_samples, prof.totals = defaultdict(list), [], defaultdict(list)
+    prof.totals_pass, prof.passes_done = defaultdict(list), 0
+    prof.record([run(0.3, 0.25)] * 2, num_tokens=16)
+    prof.record([run(0.4, 0.35)] * 2, num_tokens=16, prompts=2)
+    prof.record([run(0.6, 0.5)], num_tokens=64)
+    assert prof.samples[("prepare_prefill", 0, 16, 0)] == [0.3, 0.3, 0.4, 0.4]
+    assert prof.samples[("lm_head_prefill", 0, 16, 0)] == [0.25, 0.25, 0.35, 0.35]
+    assert prof.samples[("prepare_prefill", 0, 64, 0)] == [0.6]
+    assert ("lm_head", 0, 0, 0) not in prof.samples
+    assert not any(op in ("step_overhead", "prepare_decode") for op, *_ in prof.samples)
 
 
 def test_a_batched_prefill_files_its_router_and_experts_and_splits_its_attention(monkeypatch):
@@ -773,6 +807,10 @@ def test_a_batched_prefill_files_its_router_and_experts_and_splits_its_attention
     assert {p.num_tokens for p in points if p.op == "attn_prefill"} == {4, 12}
     assert {p.num_tokens for p in points if p.op == "attn_prefill_outer"} == {4, 8, 12, 24, 36}
     assert {p.num_tokens for p in points if p.op == "attn_prefill_next"} == {4, 12}
+    # every prefill's own prepare and lm_head stages, by its tokens in all; decode's by batch
+    for op in ("prepare_prefill", "lm_head_prefill"):
+        assert {p.num_tokens for p in points if p.op == op} == {4, 8, 12, 24, 36}
+    assert {p.batch_size for p in points if p.op == "prepare_decode"} == {1}
     # 2 runs x layers stages each of the batch: one outer sample, one of the later calls' mean
     layers = runner.num_layers
     assert len(prof.samples[("attn_prefill_outer", 0, 36, 0)]) == 2 * layers
