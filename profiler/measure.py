@@ -98,8 +98,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import math
 import platform
+import random
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -211,6 +213,9 @@ class Settings:
     # after a batch's first adds to its attention stage (attn_prefill_next)
     prefill_pairs: bool = True
     passes: int = 1  # sweeps of the grid, each shape's repeats split over them (<= repeats)
+    # each pass's shapes in a random order (seeded, another each pass; ``grid_pass``); false:
+    # the grid's order, every prefill shape, then every decode shape
+    shuffle: bool = True
 
     def __post_init__(self) -> None:
         if self.passes > self.repeats >= 1:  # a pass has a repeat at least
@@ -236,6 +241,10 @@ class Settings:
         if not isinstance(pairs, bool):
             raise SettingsError(f"grid.prefill_pairs={pairs}: must be true or false")
         out.prefill_pairs = pairs
+        shuffle = cfg.get("shuffle", True)
+        if not isinstance(shuffle, bool):
+            raise SettingsError(f"shuffle={shuffle}: must be true or false")
+        out.shuffle = shuffle
         wake = cfg.get("wake")
         if wake is not None:
             out.wake_idle_ms = tuple(sorted(set(int_list("wake.idle_ms", wake["idle_ms"]))))
@@ -622,29 +631,37 @@ class Profiler:
             raise RuntimeError(f"all {s.passes} passes are done")
         if s.warmup:
             self.warm_up()
-        repeats = s.pass_repeats(self.passes_done)
-        pairs = set(s.prefill_pairs_tokens)
-        for n in s.prefill_tokens:
-            self.prefill(n, repeats)
-            if n in pairs:
-                self.prefill(n, repeats, prompts=2)
-                if bar is not None:
-                    bar.update()
-            for kv in (0, *s.chunk_kv):
-                if kv:
-                    self.chunk(n, kv, repeats)
-                if bar is not None:
-                    bar.update()
-        for k in s.prefill_batches:
-            self.prefill(max(s.prefill_tokens), repeats, prompts=k)
+        for run in self.pass_shapes():
+            run()
             if bar is not None:
                 bar.update()
-        for kv in s.decode_kv:
-            for b in s.decode_batch:
-                self.decode(b, kv, repeats)
-                if bar is not None:
-                    bar.update()
         self.passes_done += 1
+
+    def pass_shapes(self) -> list:
+        """The next pass's shapes (``Settings.num_iterations`` of them), each a call that times
+        its share of the repeats: in the grid's order (every prefill shape, then every decode
+        shape), or with ``shuffle`` in a random order, another each pass. In the grid's order
+        the prefill shapes of a pass run in one stretch of seconds and the decode shapes in the
+        next, and this host's speed moves by that much: the prefill shapes' mean time over
+        their medians ran 0.87x-1.08x the decode shapes' from one pass to the next
+        (tiny-qwen3-moe and tiny-qwen2-moe, 4 passes each, 2026-12-03), which a profile of a
+        few passes keeps as a bias of one phase against the other."""
+        s = self.settings
+        repeats = s.pass_repeats(self.passes_done)
+        pairs = set(s.prefill_pairs_tokens)
+        shapes = []
+        for n in s.prefill_tokens:
+            shapes.append(functools.partial(self.prefill, n, repeats))
+            if n in pairs:
+                shapes.append(functools.partial(self.prefill, n, repeats, prompts=2))
+            shapes += [functools.partial(self.chunk, n, kv, repeats) for kv in s.chunk_kv]
+        shapes += [functools.partial(self.prefill, max(s.prefill_tokens), repeats, prompts=k)
+                   for k in s.prefill_batches]  # fmt: skip
+        shapes += [functools.partial(self.decode, b, kv, repeats)
+                   for kv in s.decode_kv for b in s.decode_batch]  # fmt: skip
+        if s.shuffle:
+            random.Random(f"{s.seed}/pass {self.passes_done}").shuffle(shapes)
+        return shapes
 
     def _steps_s(self, seqs: list[KVSequence], steps: int) -> np.ndarray:
         """Seconds of each of ``steps`` decode steps on the profile's clock (on CUDA, wall),

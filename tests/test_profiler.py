@@ -723,6 +723,40 @@ def test_self_check_leaves_out_the_engines_host_time():
             == measure.self_check(profile, totals)["shapes"])  # fmt: skip
 
 
+def test_each_pass_runs_the_grids_shapes_in_an_order_of_its_own():
+    """shuffle (default): every shape once a pass, in a random order, another each pass,
+    seeded; false: the grid's order, every prefill shape before every decode shape (which put
+    each phase in its own stretch of the host's drift)."""
+    settings = Settings([4, 12], [1, 2], [8, 16], [1, 16], repeats=4, passes=2,
+                        chunk_kv=(8,), prefill_batch_tokens=(36,))  # fmt: skip
+
+    def orders(settings):
+        prof = Profiler.__new__(Profiler)
+        prof.settings, out = settings, []
+        for prof.passes_done in range(settings.passes):
+            out.append([(f.func.__name__, f.args, tuple(f.keywords.items()))
+                        for f in prof.pass_shapes()])  # fmt: skip
+        return out
+
+    first, second = orders(settings)
+    grid = orders(replace(settings, shuffle=False))[0]
+    assert len(grid) == len(set(grid)) == settings.num_iterations == 11
+    assert sorted(first) == sorted(second) == sorted(grid)
+    assert first != grid and second != first
+    assert orders(settings) == [first, second]  # seeded
+    assert orders(replace(settings, seed=1)) != [first, second]
+    kinds = [name for name, *_ in grid]
+    assert kinds.index("decode") == len(kinds) - 4 and "decode" not in kinds[:-4]
+    assert grid[:3] == [("prefill", (4, 2), ()), ("prefill", (4, 2), (("prompts", 2),)),
+                        ("chunk", (4, 8, 2), ())]  # fmt: skip
+    with pytest.raises(measure.SettingsError, match="shuffle=yes: must be true or false"):
+        Settings.from_config({"grid": {"prefill_tokens": [4], "decode_batch": [1],
+                                       "decode_kv": [8], "expert_tokens": [1]},
+                              "routing": {"prompts": 1, "prompt_tokens": 8}, "warmup": 0,
+                              "repeats": 1, "clock": "wall", "seed": 0,
+                              "shuffle": "yes"})  # fmt: skip
+
+
 def test_a_router_sample_is_an_iterations_mean_over_its_layers():
     """DeepSeek-V3's first layer is dense: its whole MLP runs in its router stage (1 ms here,
     the others' gates 0.1 ms). A median over all layers' stages kept 0.1 and lost the dense
