@@ -102,3 +102,39 @@ def test_an_interrupt_while_the_command_line_is_checked_is_not_reported_as_a_bad
     assert e.value.code == 130
     assert capsys.readouterr().err == (
         "qllm-x: interrupted: nothing ran (the command line was being checked)\n")  # fmt: skip
+
+
+def test_ctrl_c_while_a_tool_imports_prints_one_line_and_exits_130(monkeypatch, capsys):
+    """Python imports pandas, Hydra and torch for seconds before the tool's own handling is in
+    place: an interrupt there printed a traceback; now one line, exit 130."""
+    from sim import launch
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch.importlib, "import_module", interrupted)
+    monkeypatch.setattr(sys, "argv", ["/somewhere/.venv/bin/qllm-sim", "policy=fcfs"])
+    with pytest.raises(SystemExit) as e:
+        launch.sim()
+    assert e.value.code == 130
+    assert capsys.readouterr().err == "qllm-sim: interrupted: nothing ran (it was starting)\n"
+
+
+def test_every_console_script_starts_its_tools_cli_through_the_guard(monkeypatch):
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    from sim import launch
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    scripts = scripts["project"]["scripts"]
+    started = []
+    monkeypatch.setattr(launch, "start", started.append)
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        assert module == "sim.launch", name
+        getattr(launch, func)()
+        assert callable(importlib.import_module(started[-1]).cli), name
+    assert sorted(started) == sorted({"sim.app", "sim.report", "sim.plan", "profiler.app",
+                                      "realrun.app", "realrun.validate"})  # fmt: skip
