@@ -5,6 +5,7 @@ prints one line, as an interrupt later does, and exits 130."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -21,25 +22,10 @@ def start(module: str) -> None:
     cli()
 
 
-def sim() -> None:
-    start("sim.app")
-
-
-def report() -> None:
-    start("sim.report")
-
-
-def plan() -> None:
-    start("sim.plan")
-
-
-def profile() -> None:
-    start("profiler.app")
-
-
-def realrun() -> None:
-    start("realrun.app")
-
-
-def validate() -> None:
-    start("realrun.validate")
+# one per console script
+sim = functools.partial(start, "sim.app")
+report = functools.partial(start, "sim.report")
+plan = functools.partial(start, "sim.plan")
+profile = functools.partial(start, "profiler.app")
+realrun = functools.partial(start, "realrun.app")
+validate = functools.partial(start, "realrun.validate")

@@ -120,7 +120,7 @@ def test_ctrl_c_while_a_tool_imports_prints_one_line_and_exits_130(monkeypatch, 
     assert capsys.readouterr().err == "qllm-sim: interrupted: nothing ran (it was starting)\n"
 
 
-def test_every_console_script_starts_its_tools_cli_through_the_guard(monkeypatch):
+def test_every_console_script_starts_its_tools_cli_through_the_guard():
     import importlib
     import tomllib
     from pathlib import Path
@@ -128,13 +128,12 @@ def test_every_console_script_starts_its_tools_cli_through_the_guard(monkeypatch
     from sim import launch
 
     scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    scripts = scripts["project"]["scripts"]
     started = []
-    monkeypatch.setattr(launch, "start", started.append)
-    for name, target in scripts.items():
-        module, func = target.split(":")
-        assert module == "sim.launch", name
-        getattr(launch, func)()
-        assert callable(importlib.import_module(started[-1]).cli), name
+    for name, target in scripts["project"]["scripts"].items():
+        module, attr = target.split(":")
+        entry = getattr(importlib.import_module(module), attr)
+        assert module == "sim.launch" and entry.func is launch.start, name
+        started.append(entry.args[0])
+        assert callable(importlib.import_module(entry.args[0]).cli), name
     assert sorted(started) == sorted({"sim.app", "sim.report", "sim.plan", "profiler.app",
                                       "realrun.app", "realrun.validate"})  # fmt: skip
