@@ -117,6 +117,7 @@ from tqdm import tqdm
 from policies.core import Stage
 from profiler.models import ModelInfo, available_bytes, build_model
 from profiler.ops import KVSequence, ModelRunner, StageRef
+from profiler.probe import SpeedProbe
 from profiler.schema import (  # noqa: F401 (SettingsError: measure.SettingsError, as before)
     GRID_KEYS,
     Memory,
@@ -451,8 +452,13 @@ def summarize(times_ms: list[float]) -> tuple[float, float]:
 class Profiler:
     """Runs the iterations of the grid with the runner and collects stage times per op."""
 
-    def __init__(self, runner: ModelRunner, settings: Settings, device: torch.device) -> None:
+    def __init__(self, runner: ModelRunner, settings: Settings, device: torch.device,
+                 probe: SpeedProbe | None = None) -> None:  # fmt: skip
         self.runner = runner
+        # the host-speed probe (profiler.probe), run between the shapes of every pass: the
+        # profile's reference for the real runs that run it too (``probe_summary``)
+        self.probe = probe
+        self.probe_times: list[tuple[int, float]] = []  # (pass, seconds) of each probe it ran
         self.settings = settings
         self.clock = StageClock(device, settings.clock)
         self.gen = torch.Generator().manual_seed(settings.seed)
@@ -631,8 +637,14 @@ class Profiler:
             raise RuntimeError(f"all {s.passes} passes are done")
         if s.warmup:
             self.warm_up()
+        probe = self.probe
         for run in self.pass_shapes():
+            start = probe.timer() if probe is not None else 0.0
             run()
+            if probe is not None:
+                probe.work(probe.timer() - start)
+                if (seconds := probe.maybe()) is not None:
+                    self.probe_times.append((self.passes_done, seconds))
             if bar is not None:
                 bar.update()
         self.passes_done += 1
@@ -704,6 +716,23 @@ class Profiler:
         ratios = [t / m for totals in self.totals.values() if (m := float(np.median(totals))) > 0
                   for t in totals]  # fmt: skip
         return float(np.mean(ratios)) if ratios else 1.0
+
+    def probe_summary(self) -> dict | None:
+        """The probe's times during the passes (``extra.probe``): ``mean_ms`` (the reference
+        that the real runs' probes are read against), per pass ``pass_mean_ms``, ``count``,
+        ``every_ms``; None without a probe or before any ran."""
+        if self.probe is None or not self.probe_times:
+            return None
+        times = [t for _, t in self.probe_times]
+        by_pass: dict[int, list[float]] = defaultdict(list)
+        for k, t in self.probe_times:
+            by_pass[k].append(t)
+        return {
+            "mean_ms": round(1e3 * float(np.mean(times)), 5),
+            "pass_mean_ms": [round(1e3 * float(np.mean(by_pass[k])), 5) for k in sorted(by_pass)],
+            "count": len(times),
+            "every_ms": round(1e3 * self.probe.every_s, 3),
+        }
 
     def pass_speeds(self) -> list[float]:
         """Per pass of the grid, ``interference`` of its timed iterations alone: the mean of
@@ -859,6 +888,8 @@ def build_profile(
             "model_source": info.source,
         },
     )
+    if (probe := prof.probe_summary()) is not None:
+        profile.extra["probe"] = probe
     profile.extra["self_check"] = self_check(profile, prof.totals)
     return profile
 

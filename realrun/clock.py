@@ -2,7 +2,9 @@
 runs on a shared CPU, a virtual clock for tests.
 
 Both count seconds from ``start()``. The engine reads ``now()`` at every stage boundary, calls
-``tick()`` after every stage it executes and ``sleep_until()`` when it has nothing to run.
+``tick()`` after every stage it executes and ``sleep_until()`` when it has nothing to run, and
+``exclude(s)`` after work that is not the run's (the host-speed probe): the clock then reads
+as if those seconds had not passed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ class WallClock:
 
     def tick(self) -> None:
         """Real stages take the time they take."""
+
+    def exclude(self, seconds: float) -> None:
+        self.t0 += seconds
 
     def sleep_until(self, t: float) -> None:
         delay = t - self.now()
@@ -54,6 +59,9 @@ class CpuClock:
     def tick(self) -> None:
         """Stages take the CPU time they take."""
 
+    def exclude(self, seconds: float) -> None:
+        self.t0 += seconds
+
     def sleep_until(self, t: float) -> None:
         delay = t - self.now()
         if delay > 0:
@@ -83,6 +91,9 @@ class VirtualClock:
 
     def tick(self) -> None:
         self.t += self.stage_s
+
+    def exclude(self, seconds: float) -> None:
+        """Nothing but stages takes virtual time."""
 
     def sleep_until(self, t: float) -> None:
         self.t = max(self.t, t)

@@ -40,6 +40,7 @@ try:
     import resource
 except ImportError:  # not on Windows: page faults go uncounted
     resource = None
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ from policies.core import Batch, Request
 from policies.core import Sequence as Seq
 from policies.scheduler import Scheduler
 from profiler.ops import KVSequence, ModelRunner
+from profiler.probe import PROBE_AFTER_IDLE, SpeedProbe
 from realrun.clock import CpuClock, VirtualClock, WallClock
 from realrun.trace import ChromeTrace
 from sim.latency import preemptible_boundaries
@@ -91,6 +93,8 @@ class RealResult:
     # minor page faults of the process while the engine ran (None where uncounted): host
     # memory mapped in mid-run, a cost in the measured times that no profile has
     page_faults: int | None = None
+    # the host-speed probe's seconds, each time it ran during this run (none without a probe)
+    probes: list[float] = dataclasses.field(default_factory=list)
 
 
 def minor_faults() -> int | None:
@@ -108,6 +112,7 @@ class RealEngine:
         clock: WallClock | CpuClock | VirtualClock | None = None,
         trace: ChromeTrace | None = None,
         on_finish: Callable[[Seq], None] | None = None,
+        probe: SpeedProbe | None = None,
     ) -> None:
         missing = [r.id for r in requests if len(prompts.get(r.id, ())) != r.prompt_tokens]
         if missing:
@@ -119,6 +124,12 @@ class RealEngine:
         self.clock = clock or WallClock()
         self.trace = trace
         self.on_finish = on_finish
+        # the host-speed probe (profiler.probe): run between iterations, every probe.every_s
+        # of the run's work, PROBE_AFTER_IDLE segments or more after an idle gap, its time
+        # left out of the run's clock
+        self.probe = probe
+        self.probes: list[float] = []
+        self._busy_segments = 0  # segments since the engine was last idle
         self.allowed = frozenset(preemptible_boundaries(
             runner.num_layers, runner.stages_per_layer, scheduler.granularity))  # fmt: skip
         self.kv: dict[int, KVSequence] = {}
@@ -162,13 +173,23 @@ class RealEngine:
             if batch is None:
                 if self._idle_since is None:
                     self._idle_since = clock.now()
+                    self._busy_segments = 0
                 if self._arrivals_done:
                     if sched.in_system:
                         raise RuntimeError(f"scheduler stalled with {sched.in_system} requests")
                     break
                 clock.sleep_until(self.requests[self._next].arrival_s)
                 continue
+            if self.probe is None:
+                self._execute(batch)
+                continue
+            start = clock.now()
             self._execute(batch)
+            self.probe.work(clock.now() - start)
+            if self.probe.due and self._busy_segments >= PROBE_AFTER_IDLE:
+                start = clock.now()
+                self.probes.append(self.probe.maybe())
+                clock.exclude(clock.now() - start)
         return RealResult(
             sequences=self.sequences,
             tokens=self.tokens,
@@ -180,6 +201,7 @@ class RealEngine:
             peak_kv_used_tokens=sched.peak_kv_used_tokens,
             segments=self.segments,
             page_faults=None if faults is None else minor_faults() - faults,
+            probes=self.probes,
         )
 
     def _swap_out(self) -> None:
@@ -271,6 +293,7 @@ class RealEngine:
                 end_s: float, preempted: bool, merged: bool = False) -> None:  # fmt: skip
         idle_s = max(start_s - self._idle_since, 0.0) if self._idle_since is not None else 0.0
         self._idle_since = None  # busy until the scheduler next has nothing to run
+        self._busy_segments += 1
         self.segments.append(Segment(batch.id, batch.phase.value, self._shapes[batch.id],
                                      start_cursor, end_cursor, start_s, end_s, idle_s,
                                      preempted, merged, batch.plan.bound))  # fmt: skip

@@ -110,11 +110,14 @@ def execute(
     clock=None,
     trace: ChromeTrace | None = None,
     progress: bool = False,
+    probe=None,
 ) -> RealOutput:
-    """Run the engine over the requests and summarize in the simulator's schema."""
+    """Run the engine over the requests and summarize in the simulator's schema (``probe``: a
+    ``profiler.probe.SpeedProbe`` to run between iterations, ``RealResult.probes``)."""
     bar = tqdm(total=len(requests), desc="serving", unit="req") if progress else None
     engine = RealEngine(requests, prompts, scheduler, runner, clock, trace,
-                        on_finish=(lambda _: bar.update()) if bar else None)  # fmt: skip
+                        on_finish=(lambda _: bar.update()) if bar else None,
+                        probe=probe)  # fmt: skip
     try:
         result = engine.run()
     except CapacityError as e:

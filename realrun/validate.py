@@ -203,7 +203,8 @@ class ProfileSource:
     the rates); ``between_rounds()`` runs the next pass; ``final()`` runs any passes left and
     the wake-up, saves the profile to ``directory`` and returns it."""
 
-    def __init__(self, cfg: DictConfig, runner, info, out: Path, cover: tuple[int, int, int, int]):
+    def __init__(self, cfg: DictConfig, runner, info, out: Path, cover: tuple[int, int, int, int],
+                 probe=None):  # fmt: skip
         from sim import profiles
 
         self.info, self.name = info, f"{out.name}-profile"
@@ -268,7 +269,7 @@ class ProfileSource:
             raise UserError(f"profile: {e}") from None
         if added:
             print(f"profile grid extended to cover the runs: {', '.join(added)}")
-        self.prof = Profiler(runner, settings, info.device)
+        self.prof = Profiler(runner, settings, info.device, probe)
         self.progress = cfg.progress
         self.between_rounds()
         self.profile = self._build(self.prof.table())
@@ -367,6 +368,8 @@ def records_of(
     windows: list[float] | None = None,
     bounds: list[dict] | None = None,
     sensitivity_pct: float | None = None,
+    normalized: list[dict] | None = None,
+    probe_speeds: list[float] | None = None,
 ) -> list[dict]:
     """Sim against the mean of the real replays, with the replays' spread (and the drift
     probe's change since the profile, timed after them; and the machine's duty-cycle
@@ -377,7 +380,12 @@ def records_of(
     mean speed during each real run is known; not a prediction. ``bounds``: the simulator's
     summaries with every iteration ``sensitivity_pct`` faster and slower: ``sim_faster``,
     ``sim_slower`` and ``sim_sensitivity_pct``, the larger move from ``sim`` (in % of it),
-    the point's conditioning (``ILL_CONDITIONED_PCT``)."""
+    the point's conditioning (``ILL_CONDITIONED_PCT``). ``normalized``: per replay, the
+    simulator's summary with the profile scaled by the host's speed during that replay as the
+    probe measured it (``probe_speeds``: the replay's probes over the profile's,
+    ``profiler.probe``): ``sim_host_normalized`` / ``host_normalized_error_pct``, the
+    prediction for a machine of the speed measured, which reads no time of the run's own
+    iterations."""
     rows = []
     counted = [f for real in reals
                if (f := real.get("executor", {}).get("page_faults")) is not None]  # fmt: skip
@@ -404,6 +412,11 @@ def records_of(
                     "run_speed_min": round(min(speeds), 3) if speeds else None,
                     "run_speed_max": round(max(speeds), 3) if speeds else None,
                     "run_speeds": [round(x, 3) for x in speeds]}  # fmt: skip
+        if normalized:
+            a = statistics.fmean(math.nan if (v := get(x)) is None else v for x in normalized)
+            row |= {"sim_host_normalized": a,
+                    "host_normalized_error_pct": 100 * (a - r) / r if r else math.nan,
+                    "probe_speeds": [round(x, 4) for x in probe_speeds or ()]}  # fmt: skip
         if bounds:
             fast, slow = (math.nan if (v := get(b)) is None else v for b in bounds)
             moved = max(abs(fast - s), abs(slow - s))
@@ -664,6 +677,19 @@ PROBE_REFERENCES = 3
 DRIFT_WARNING_PCT = 5.0
 
 
+def make_speed_probe(runner, clock: ClockKind, seed: int):
+    """The host-speed probe (``profiler.probe.SpeedProbe``) on the runs' clock, or None on the
+    virtual clock (which times nothing)."""
+    if clock is ClockKind.virtual:
+        return None
+    from profiler.probe import PROBE_KV, SpeedProbe
+    from realrun.prompts import random_ids
+
+    now = time.process_time if clock is ClockKind.cpu else time.perf_counter
+    # ids no request has (requests count from 0), nor the drift probe's
+    return SpeedProbe(runner, random_ids(PROBE_KV, runner.config.vocab_size, seed, 2**40 + 7), now)
+
+
 def make_probe(runner, clock: ClockKind, seed: int):
     """A function timing the drift probe on the runs' clock (seconds), or None on the virtual
     clock (which times nothing)."""
@@ -833,6 +859,7 @@ RESULT_FILES = ("validation.json", "iteration_errors.json", "iterations.csv.gz",
 def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     """The whole comparison; needs Hydra initialized with CONF_DIR (the app or a test)."""
     check(cfg)
+    from profiler.probe import probe_speed
     from realrun.run import (
         RESERVE_HEADROOM,
         execute,
@@ -862,7 +889,9 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     cover = (largest_batch, max(r.prompt_tokens for r in nominal),
              max(r.prompt_tokens + r.output_tokens for r in nominal),
              largest_prefill(list(cfg.policies), nominal))  # fmt: skip
-    source = ProfileSource(cfg, runner, info, out, cover)
+    # the host-speed probe, run between the profile's shapes and the real runs' iterations
+    speed_probe = make_speed_probe(runner, ClockKind(cfg.clock), cfg.seed)
+    source = ProfileSource(cfg, runner, info, out, cover, speed_probe)
     profile = source.first()
     sims = {p: sim_config(cfg, p, source.directory) for p in cfg.policies}
     prompt = statistics.fmean(r.prompt_tokens for r in nominal)
@@ -921,8 +950,10 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
         for place, i in enumerate(order):
             requests, prompts = workloads[i]
             real = execute(requests, prompts, build_scheduler(sims[cases[i][2]], profile),
-                           runner, cfg.slo, make_clock(ClockKind(cfg.clock)))  # fmt: skip
-            reals[i].append((real.summary, real.result.segments, round_no * len(cases) + place))
+                           runner, cfg.slo, make_clock(ClockKind(cfg.clock)),
+                           probe=speed_probe)  # fmt: skip
+            reals[i].append((real.summary, real.result.segments, round_no * len(cases) + place,
+                             real.result.probes))  # fmt: skip
             if probe is not None:
                 drifts[i].append(100 * (probe() / reference_s - 1))
             bar.update()
@@ -935,6 +966,14 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     if passes := profile.extra.get("pass_speeds"):  # the machine's drift between the rounds
         print(f"the profile's passes ran {', '.join(f'{x:.2f}x' for x in passes)} of its "
               f"medians (one before the first round of real runs, one after each)")  # fmt: skip
+    # the profile's probe (measured now, or saved with a profile.path): the reference
+    host_reference_ms = ((profile.extra or {}).get("probe") or {}).get("mean_ms")
+    host_reference_s = (host_reference_ms / 1e3 if host_reference_ms and speed_probe is not None
+                        else None)  # fmt: skip
+    if host_reference_s is None and speed_probe is not None:
+        print(f"warning: profile.path={cfg.profile.get('path')} has no host-speed probe "
+              "(extra.probe: profiles measured by qllm-validate since 2026-12-03 have one): no "
+              "host-normalized figures", file=sys.stderr)  # fmt: skip
     if profile.extra.get("self_check"):  # a profile measured now (or saved with one)
         from profiler.measure import self_check_line
 
@@ -954,8 +993,8 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
         # a segment holds no host time between iterations: predicted without engine_host
         predictor = build_latency(sims[policy], segment_profile)
         load = load_label(u, cfg.utilizations)
-        speeds, adjusted, windows = [], [], []
-        for replay, (_, segments, place) in enumerate(reals[i]):
+        speeds, adjusted, windows, probed, normalized = [], [], [], [], []
+        for replay, (_, segments, place, probes) in enumerate(reals[i]):
             replay_rows = iteration_rows(policy, rate, replay, segments, predictor, host, place,
                                          load)  # fmt: skip
             rows += replay_rows
@@ -965,6 +1004,13 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
             rerun = simulate(sims[policy], requests=workloads[i][0], profile=scaled, warn=False)
             adjusted.append(rerun.summary)
             beyond += rerun.extrapolated
+            if (host_speed := probe_speed(probes, host_reference_s)) is not None:
+                probed.append(host_speed)
+                scaled = dataclasses.replace(
+                    profile, interference=profile.interference * host_speed
+                )
+                normalized.append(simulate(sims[policy], requests=workloads[i][0],
+                                           profile=scaled, warn=False).summary)  # fmt: skip
         sim = simulate(sims[policy], requests=workloads[i][0], warn=False)
         beyond += sim.extrapolated
         bounds = []  # every iteration sensitivity_pct faster, then slower
@@ -975,9 +1021,10 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
                                    warn=False).summary)  # fmt: skip
         drift = round(statistics.median(drifts[i]), 2) if drifts[i] else None
         records += records_of(policy, rate, load,
-                              [summary for summary, _, _ in reals[i]], sim.summary, drift,
-                              duty, adjusted, speeds, windows, bounds,
-                              cfg.sensitivity_pct)  # fmt: skip
+                              [summary for summary, *_ in reals[i]], sim.summary, drift,
+                              duty, adjusted, speeds, windows, bounds, cfg.sensitivity_pct,
+                              normalized if len(normalized) == len(reals[i]) else None,
+                              probed)  # fmt: skip
     if beyond:
         print(extrapolation_warning(profile.name, beyond), file=sys.stderr)
     (out / "validation.json").write_text(json.dumps(records, indent=1) + "\n")
@@ -995,15 +1042,17 @@ def _pct(x: float | None) -> str:
 def table(records: list[dict]) -> str:
     lines = [f"{'policy':<10} {'rate':>7} {'load':<8} {'cls':<4} {'metric':<16} {'sim':>10} "
              f"{'real':>10} {'error%':>8} {'real cv%':>8} {'real min-max':>17} "
-             f"{'adj err%':>8} {'sens%':>6}"]  # fmt: skip
+             f"{'adj err%':>8} {'norm err%':>9} {'sens%':>6}"]  # fmt: skip
     for r in records:
         adjusted = r.get("speed_adjusted_error_pct")
+        normal = r.get("host_normalized_error_pct")
         sens = r.get("sim_sensitivity_pct")
         lines.append(f"{r['policy']:<10} {r['rate']:>7g} {r['load']:<8} {r['cls']:<4} "
                      f"{r['metric']:<16} {r['sim']:>10.4f} {r['real']:>10.4f} "
                      f"{r['error_pct']:>8.1f} {_pct(r['real_cv_pct']):>8} "
                      f"{r['real_min']:>8.4f}-{r['real_max']:<8.4f} "
                      f"{'' if adjusted is None else f'{adjusted:.1f}':>8} "
+                     f"{'' if normal is None else f'{normal:.1f}':>9} "
                      f"{'' if sens is None else f'{sens:.1f}':>6}")  # fmt: skip
     speeds = [(r["run_speed_min"], r["run_speed_max"]) for r in records
               if r.get("run_speed_min") is not None]  # fmt: skip
@@ -1012,6 +1061,12 @@ def table(records: list[dict]) -> str:
                      f"measured speed ({min(a for a, _ in speeds):.2f}x .. "
                      f"{max(b for _, b in speeds):.2f}x its prediction): a diagnostic of what "
                      f"the machine's speed explains, not a prediction")  # fmt: skip
+    hosts = [x for r in records for x in r.get("probe_speeds") or ()]
+    if hosts:
+        lines.append(f"norm err%: the simulator with the profile scaled by the host's speed "
+                     f"during each real run, as the probe between its iterations measured it "
+                     f"({min(hosts):.2f}x .. {max(hosts):.2f}x the profile's): a prediction "
+                     f"for a machine of that speed")  # fmt: skip
     moved = next((r["speed_step_pct"] for r in records if "speed_step_pct" in r), None)
     if moved is not None:
         lines.append(f"sens%: how far the simulator's figure moves with every iteration "
@@ -1097,6 +1152,12 @@ def summary_line(records: list[dict]) -> str:
         drift += (f"; speed-adjusted (diagnostic): worst {max(adjusted):.1f}%, median "
                   f"{statistics.median(adjusted):.1f}%, {sum(e <= 10 for e in adjusted)} of "
                   f"{len(adjusted)} within 10%")  # fmt: skip
+    normal = [abs(e) for r in records if r["cls"] != "all"
+              and math.isfinite(e := r.get("host_normalized_error_pct", math.nan))]  # fmt: skip
+    if normal:
+        drift += (f"; host-normalized (the profile scaled by the probe's speed during each "
+                  f"run): worst {max(normal):.1f}%, median {statistics.median(normal):.1f}%, "
+                  f"{sum(e <= 10 for e in normal)} of {len(normal)} within 10%")  # fmt: skip
     return (
         f"per-class means: worst |error| {max(errors):.1f}%, median {median:.1f}%, "
         f"{within} of {len(errors)} within 10%{within_of}; real replays' worst cv "

@@ -2,7 +2,10 @@
 DIR (``<DIR>/<model>-<device>/validation.json``, as ``make validate`` writes them): per model
 and load level, the clock the real runs were timed on (wall, or cpu: ``clock=cpu``), the worst
 and median per-class mean error, how many are within 10%, the throughput error, the real
-engine's own spread (the replays' worst CV), the speed-adjusted diagnostic (how many
+engine's own spread (the replays' worst CV), the host-normalized comparison (how many
+per-class means are within 10% once the profile is scaled by the host's speed during each real
+run as the probe between its iterations measured it, ``profiler.probe``; "-" for validations
+written before it, 2026-12-03), the speed-adjusted diagnostic (how many
 per-class means are within 10% once each real run's measured speed scales the profile; "-"
 for validations written before it), and how many per-class means are ill-conditioned (the
 simulator's figure moves more than 10% with every iteration ``sensitivity_pct`` faster or
@@ -145,6 +148,11 @@ def rows_of(name: str, records: list[dict], clock: str = "?") -> list[str]:
                     and math.isfinite(r.get("speed_adjusted_error_pct", math.nan))]  # fmt: skip
         adj = (f"{sum(e <= GOAL_PCT for e in adjusted)} of {len(adjusted)}, median "
                f"{statistics.median(adjusted):.1f}%" if adjusted else "-")  # fmt: skip
+        normal = [abs(r["host_normalized_error_pct"]) for r in point if r["cls"] != "all"
+                  and math.isfinite(r.get("host_normalized_error_pct", math.nan))]  # fmt: skip
+        norm = (f"{sum(e <= GOAL_PCT for e in normal)} of {len(normal)}, median "
+                f"{statistics.median(normal):.1f}%, worst {max(normal):.1f}%" if normal
+                else "-")  # fmt: skip
         moved = [r["sim_sensitivity_pct"] for r in point if r["cls"] != "all"
                  and math.isfinite(r.get("sim_sensitivity_pct", math.nan))]  # fmt: skip
         ill = (f"{sum(m > ILL_CONDITIONED_PCT for m in moved)} of {len(moved)}" if moved
@@ -157,7 +165,7 @@ def rows_of(name: str, records: list[dict], clock: str = "?") -> list[str]:
                     f"| {statistics.median(errors):.1f}% "
                     f"| {within} of {len(errors)}{allowed} "
                     f"| {min(thr):+.1f}% .. {max(thr):+.1f}%{thr_allowed} "
-                    f"| {f'{max(cvs):.1f}%' if cvs else '-'} | {adj} | {ill} "
+                    f"| {f'{max(cvs):.1f}%' if cvs else '-'} | {norm} | {adj} | {ill} "
                     f"| {ranged} |")  # fmt: skip
     return rows
 
@@ -169,10 +177,11 @@ def table(root: Path) -> str:
     lines = ["| model | load | clock | worst per-class error | median "
              "| within 10% (an exact sim, expected; a real replay against the others) "
              "| throughput error | real replays' worst CV "
+             "| host-normalized within 10% "
              "| speed-adjusted within 10% (diagnostic) "
              "| ill-conditioned (sim moves >10%) "
              "| sim within the replays' min-max (an exact sim's chance) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for path in found:
         records = json.loads(path.read_text())
         if not records or "load" not in records[0]:

@@ -110,7 +110,9 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     grid_pass, execute = measure.Profiler.grid_pass, realrun_run.execute
     monkeypatch.setattr(measure.Profiler, "grid_pass",
                         lambda self, *a: order.append("pass") or grid_pass(self, *a))  # fmt: skip
-    monkeypatch.setattr(realrun_run, "execute", lambda *a: order.append("run") or execute(*a))
+    monkeypatch.setattr(
+        realrun_run, "execute", lambda *a, **k: order.append("run") or execute(*a, **k)
+    )
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("validate", overrides=[*SMALL, f"out_dir={tmp_path}", "name=small"])
         records, out = run_validation(cfg)
@@ -149,8 +151,20 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
             "speed_adjusted_error_pct", "run_speed_min", "run_speed_max", "run_speeds",
             "host_speed_p10", "host_speed_p90",
             "sim_faster", "sim_slower", "speed_step_pct", "sim_sensitivity_pct"}  # fmt: skip
+    # the host-normalized prediction, where the probe ran in each replay (a run of less than
+    # the probe's every_s of work has none; the loaded point's runs have more)
+    normalized = {"sim_host_normalized", "host_normalized_error_pct", "probe_speeds"}
+    probe = saved["extra"]["probe"]  # the reference: the probe between the profile's shapes
+    assert len(probe["pass_mean_ms"]) == 3 and probe["count"] >= 3 and probe["mean_ms"] > 0
     for r in records:
-        assert set(r) == keys and r["cls"] in CLASSES
+        assert set(r) in (keys, keys | normalized) and r["cls"] in CLASSES
+        if r["load"] == "loaded":
+            assert normalized <= set(r)
+        if normalized <= set(r):  # each replay's mean probe over the profile's
+            assert len(r["probe_speeds"]) == 2 and all(0.2 < x < 5 for x in r["probe_speeds"])
+            assert math.isfinite(r["sim_host_normalized"])
+            assert r["host_normalized_error_pct"] == pytest.approx(
+                100 * (r["sim_host_normalized"] - r["real"]) / r["real"])  # fmt: skip
         # the simulator again with every iteration 2% faster and slower (sensitivity_pct)
         assert r["speed_step_pct"] == 2.0 and math.isfinite(r["sim_sensitivity_pct"])
         assert r["sim_sensitivity_pct"] == pytest.approx(

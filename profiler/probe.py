@@ -1,0 +1,96 @@
+"""The host-speed probe: one fixed piece of the model's own work, timed again and again between
+other work, so that a profile and the real runs that it predicts can be told how fast the
+machine ran while each of them ran.
+
+The probe is a decode step of one sequence of ``PROBE_KV`` cached tokens, rewound after every
+call so that every call runs the very same step (the same token, so the same experts). Its
+owner tells it how much other work has run (``work``); every ``every_s`` of that, ``maybe()``
+runs it once. The profiler runs it between the shapes of its passes, the real engine between
+iterations (its time left out of the run's clock), so that both sample the machine's speed at
+the moments they ran, not a minute before or after.
+
+Why: on this project's 2-vCPU VM the same work ran up to 1.3x slower from one run of a few
+seconds to the next, and a probe after each run did not follow that (correlation 0.32 with the
+runs' speeds against their profile, 2026-12-02); the host's speed over 0.5 s windows keeps only
+0.4-0.7 of itself into the next window. The same step interleaved within the runs every 50 ms
+of work followed it: over 24 real runs of tiny-qwen3-moe near the knee and at overload
+(2026-12-03), the runs' mean probe time correlated 0.97 and 0.99 with their speed against the
+profile, whose spread (CV 7.6% and 13.7%) fell to 2.0% and 3.3% divided by it. The probe costs
+some 4-7% more work, which the run's clock does not count.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from profiler.ops import ModelRunner
+
+PROBE_KV = 64  # the probe sequence's cached tokens
+PROBE_EVERY_S = 0.05  # other work between two probes (seconds on the owner's clock)
+# The real engine runs the probe only this many segments or more after an idle gap: the first
+# steps after one run slower (the wake-up, which the profile measures and the simulator
+# charges), and a probe among them would read that as the host's speed.
+PROBE_AFTER_IDLE = 4
+
+
+class SpeedProbe:
+    """``runner``'s decode step of one sequence of ``token_ids`` (all but the last cached by a
+    prefill now), timed by ``timer`` (seconds: the runs' clock), every ``every_s`` of work."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        token_ids: list[int],
+        timer: Callable[[], float],
+        every_s: float = PROBE_EVERY_S,
+    ) -> None:
+        if every_s <= 0:
+            raise ValueError("every_s must be > 0")
+        self.runner, self.timer, self.every_s = runner, timer, every_s
+        self.seq = runner.new_sequence(list(token_ids))
+        runner.run(runner.begin([self.seq]))  # the prefill: the ids cached, a token to feed
+        self.mark = (len(self.seq.token_ids), self.seq.num_cached)
+        self.cuda = runner.device.type == "cuda"
+        self.owed = 0.0  # work since the last probe
+        self.times: list[float] = []  # every probe's seconds, in order
+
+    def work(self, seconds: float) -> None:
+        """Count ``seconds`` of the owner's work."""
+        self.owed += max(seconds, 0.0)
+
+    @property
+    def due(self) -> bool:
+        return self.owed >= self.every_s
+
+    def maybe(self) -> float | None:
+        """Run the probe when due (its seconds, also appended to ``times``), else None."""
+        if not self.due:
+            return None
+        self.owed = 0.0
+        return self()
+
+    def __call__(self) -> float:
+        """One probe now: its seconds."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = self.timer()
+        self.runner.run(self.runner.begin([self.seq]))  # returns the token: the device is done
+        seconds = self.timer() - start
+        self.seq.truncate(*self.mark)
+        self.times.append(seconds)
+        return seconds
+
+    def since(self, index: int) -> list[float]:
+        """The probes' seconds from ``times[index]`` on."""
+        return self.times[index:]
+
+
+def probe_speed(times: list[float], reference_s: float | None) -> float | None:
+    """How slow the machine ran over ``times`` (a run's probes) against ``reference_s`` (the
+    profile's mean probe): their mean over it (1.1: 10% slower), None without either."""
+    if not times or not reference_s:
+        return None
+    return statistics.fmean(times) / reference_s
