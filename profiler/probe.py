@@ -3,10 +3,17 @@ other work, so that a profile and the real runs that it predicts can be told how
 machine ran while each of them ran.
 
 The probe is a decode step of one sequence of ``PROBE_KV`` cached tokens, rewound after every
-call so that every call runs the very same step (the same token, so the same experts). Its
-owner tells it how much other work has run (``work``); every ``every_s`` of that, ``maybe()``
-runs it once. The profiler runs it between the shapes of its passes, the real engine between
-iterations (its time left out of the run's clock), so that both sample the machine's speed at
+call so that every call runs the very same step (the same token, so the same experts), run
+``PROBE_WARM_STEPS`` times untimed and then once timed: a single step read the caches that the
+work before it left, not the host's speed (tiny-qwen2-moe, 2026-12-03, medians of about 100
+each: 4.01 ms after a decode step of 32 sequences, 3.88 after a prefill of 1,024 tokens, 3.34
+after a step of one sequence and 3.12 after another probe; the timed step after one untimed:
+3.33, 3.34, 3.29 and 3.21). In the first `make validate` with a single step (2026-12-03
+12:14), tiny-qwen2-moe's runs at light load (small steps before each probe) took 1.10x the time
+their probes implied, at overload (large ones) 0.93x. Its owner tells it how much other work has
+run (``work``); every ``every_s`` of that, ``maybe()`` runs it once. The profiler runs it
+between the shapes of its passes, the real engine between iterations (its time left out of
+the run's clock), so that both sample the machine's speed at
 the moments they ran, not a minute before or after.
 
 Why: on this project's 2-vCPU VM the same work ran up to 1.3x slower from one run of a few
@@ -15,8 +22,8 @@ runs' speeds against their profile, 2026-12-02); the host's speed over 0.5 s win
 0.4-0.7 of itself into the next window. The same step interleaved within the runs every 50 ms
 of work followed it: over 24 real runs of tiny-qwen3-moe near the knee and at overload
 (2026-12-03), the runs' mean probe time correlated 0.97 and 0.99 with their speed against the
-profile, whose spread (CV 7.6% and 13.7%) fell to 2.0% and 3.3% divided by it. The probe costs
-some 4-7% more work, which the run's clock does not count.
+profile, whose spread (CV 7.6% and 13.7%) fell to 2.0% and 3.3% divided by it. The probe (two
+steps every 100 ms of work) costs some 4-7% more work, which the run's clock does not count.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import torch
 from profiler.ops import ModelRunner
 
 PROBE_KV = 64  # the probe sequence's cached tokens
-PROBE_EVERY_S = 0.05  # other work between two probes (seconds on the owner's clock)
+PROBE_EVERY_S = 0.1  # other work between two probes (seconds on the owner's clock)
+PROBE_WARM_STEPS = 1  # untimed steps before the timed one
 # The real engine runs the probe only this many segments or more after an idle gap: the first
 # steps after one run slower (the wake-up, which the profile measures and the simulator
 # charges), and a probe among them would read that as the host's speed.
@@ -74,6 +82,9 @@ class SpeedProbe:
 
     def __call__(self) -> float:
         """One probe now: its seconds."""
+        for _ in range(PROBE_WARM_STEPS):  # its weights and cache back in, untimed
+            self.runner.run(self.runner.begin([self.seq]))
+            self.seq.truncate(*self.mark)
         if self.cuda:
             torch.cuda.synchronize()
         start = self.timer()

@@ -18,7 +18,7 @@ from policies.scheduler import Scheduler
 from profiler.measure import Profiler, Settings, build_profile
 from profiler.models import build_model
 from profiler.ops import ModelRunner
-from profiler.probe import PROBE_AFTER_IDLE, SpeedProbe, probe_speed
+from profiler.probe import PROBE_AFTER_IDLE, PROBE_WARM_STEPS, SpeedProbe, probe_speed
 from realrun.clock import CpuClock, VirtualClock, WallClock
 from realrun.engine import RealEngine
 
@@ -43,7 +43,15 @@ def test_the_probe_runs_the_same_step_every_every_s_of_work(runner):
     probe.work(0.03)  # 0.06 of work: due
     assert probe.due and probe.maybe() == 1.0
     assert not probe.due and probe.times == [1.0]  # what it owed is paid
-    assert probe() == 1.0 and len(probe.times) == 2  # run at once, whatever is owed
+    steps = []
+    run = runner.run
+    runner.run = lambda state, *a: steps.append(state.sequences) or run(state, *a)
+    try:
+        assert probe() == 1.0 and len(probe.times) == 2  # run at once, whatever is owed
+    finally:
+        del runner.run
+    # its step untimed (its weights and cache back in), then timed
+    assert len(steps) == 1 + PROBE_WARM_STEPS and all(s == [seq] for s in steps)
     assert (list(seq.token_ids), seq.num_cached) == before  # rewound: the same step each time
     with pytest.raises(ValueError, match="every_s"):
         SpeedProbe(runner, [1, 2], time.perf_counter, every_s=0)
