@@ -1106,6 +1106,17 @@ def conditioning(records: list[dict]) -> str | None:
             f"{r['metric']})")  # fmt: skip
 
 
+def errors_clause(records: list[dict], key: str, label: str) -> str:
+    """'; <label>: worst, median, how many within 10%' of the per-class means' ``key`` (an
+    error in %), or '' where no record has it."""
+    errors = [abs(e) for r in records if r["cls"] != "all"
+              and math.isfinite(e := r.get(key, math.nan))]  # fmt: skip
+    if not errors:
+        return ""
+    return (f"; {label}: worst {max(errors):.1f}%, median {statistics.median(errors):.1f}%, "
+            f"{sum(e <= GOAL_PCT for e in errors)} of {len(errors)} within 10%")  # fmt: skip
+
+
 def summary_line(records: list[dict]) -> str:
     """The worst and median per-class mean error, and how many points are within 10%."""
     errors = [abs(r["error_pct"]) for r in records
@@ -1146,18 +1157,10 @@ def summary_line(records: list[dict]) -> str:
         drift += (f"; the simulator within the real replays' min-max: {n_in} of {n} ({below} "
                   f"below, {above} above; one exact on each point's real median would be in "
                   f"{100 * exact:.0f}% of them)")  # fmt: skip
-    adjusted = [abs(e) for r in records if r["cls"] != "all"
-                and math.isfinite(e := r.get("speed_adjusted_error_pct", math.nan))]  # fmt: skip
-    if adjusted:
-        drift += (f"; speed-adjusted (diagnostic): worst {max(adjusted):.1f}%, median "
-                  f"{statistics.median(adjusted):.1f}%, {sum(e <= 10 for e in adjusted)} of "
-                  f"{len(adjusted)} within 10%")  # fmt: skip
-    normal = [abs(e) for r in records if r["cls"] != "all"
-              and math.isfinite(e := r.get("host_normalized_error_pct", math.nan))]  # fmt: skip
-    if normal:
-        drift += (f"; host-normalized (the profile scaled by the probe's speed during each "
-                  f"run): worst {max(normal):.1f}%, median {statistics.median(normal):.1f}%, "
-                  f"{sum(e <= 10 for e in normal)} of {len(normal)} within 10%")  # fmt: skip
+    drift += errors_clause(records, "speed_adjusted_error_pct", "speed-adjusted (diagnostic)")
+    drift += errors_clause(records, "host_normalized_error_pct",
+                           "host-normalized (the profile scaled by the probe's speed during "
+                           "each run)")  # fmt: skip
     return (
         f"per-class means: worst |error| {max(errors):.1f}%, median {median:.1f}%, "
         f"{within} of {len(errors)} within 10%{within_of}; real replays' worst cv "

@@ -785,6 +785,37 @@ def test_the_speed_adjusted_diagnostic_compares_the_mean_rerun_with_the_real_mea
     assert "speed" not in summary_line(records_of("fcfs", 1.0, "light", reals, summary(0.8)))
 
 
+def test_the_host_normalized_prediction_is_the_mean_rerun_at_each_probe_speed(tmp_path):
+    def summary(ttft: float) -> dict:
+        return {"classes": {c: {"count": 2, "ttft_s": {"mean": ttft},
+                                "turnaround_s": {"mean": 2 * ttft}} for c in CLASSES},
+                "throughput": {"jobs_per_s": 4.0}}  # fmt: skip
+
+    reals = [summary(1.2), summary(1.0)]
+    records = records_of("fcfs", 1.0, "light", reals, summary(0.8), normalized=[summary(1.3),
+                         summary(0.9)], probe_speeds=[1.2, 0.95])  # fmt: skip
+    ttft = next(r for r in records if r["cls"] == "BE" and r["metric"] == "ttft_mean")
+    assert ttft["sim_host_normalized"] == pytest.approx(1.1)
+    assert ttft["host_normalized_error_pct"] == pytest.approx(0.0)
+    assert ttft["probe_speeds"] == [1.2, 0.95] and ttft["error_pct"] < -20
+    turnaround = next(r for r in records if r["cls"] == "LS" and r["metric"] == "turnaround_mean")
+    assert turnaround["host_normalized_error_pct"] == pytest.approx(0.0)
+    line = summary_line(records)
+    assert line.endswith("; host-normalized (the profile scaled by the probe's speed during "
+                         "each run): worst 0.0%, median 0.0%, 4 of 4 within 10%")  # fmt: skip
+    assert "norm err%" in table(records).splitlines()[0]
+    assert "0.95x .. 1.20x" in table(records)
+    # summary.md's column, and "-" for records without it
+    (tmp_path / "m-cpu").mkdir()
+    (tmp_path / "m-cpu" / "validation.json").write_text(json.dumps(records))
+    assert "| 4 of 4, median 0.0%, worst 0.0% |" in validation_table.table(tmp_path)
+    plain = records_of("fcfs", 1.0, "light", reals, summary(0.8))
+    assert "host-normalized" not in summary_line(plain) and "norm err%:" not in table(plain)
+    (tmp_path / "m-cpu" / "validation.json").write_text(json.dumps(plain))
+    row = validation_table.table(tmp_path).splitlines()[-1].split(" | ")
+    assert row[8] == "-"  # the host-normalized column
+
+
 def test_a_point_whose_figure_moves_with_the_speed_is_called_ill_conditioned(tmp_path, capsys):
     """sim_sensitivity_pct: the larger move of the simulator's figure with every iteration
     sensitivity_pct faster or slower, in % of it; above 10% a per-class mean is counted
