@@ -732,6 +732,7 @@ class Profiler:
             "pass_mean_ms": [round(1e3 * float(np.mean(by_pass[k])), 5) for k in sorted(by_pass)],
             "count": len(times),
             "every_ms": round(1e3 * self.probe.every_s, 3),
+            **self.probe.identity(),
         }
 
     def pass_speeds(self) -> list[float]:

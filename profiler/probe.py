@@ -28,6 +28,7 @@ steps every 100 ms of work) costs some 4-7% more work, which the run's clock doe
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 from collections.abc import Callable
 
@@ -64,6 +65,14 @@ class SpeedProbe:
         self.cuda = runner.device.type == "cuda"
         self.owed = 0.0  # work since the last probe
         self.times: list[float] = []  # every probe's seconds, in order
+
+    def identity(self) -> dict:
+        """What the probe runs (``extra.probe`` keeps it): a profile's probe times are a
+        reference only for runs of the same probe (another token, context or warm-up runs
+        other work)."""
+        ids = ",".join(map(str, self.seq.token_ids[: self.mark[1]]))
+        return {"kv": self.mark[1], "warm_steps": PROBE_WARM_STEPS,
+                "ids_sha256": hashlib.sha256(ids.encode()).hexdigest()[:16]}  # fmt: skip
 
     def work(self, seconds: float) -> None:
         """Count ``seconds`` of the owner's work."""

@@ -690,6 +690,29 @@ def make_speed_probe(runner, clock: ClockKind, seed: int):
     return SpeedProbe(runner, random_ids(PROBE_KV, runner.config.vocab_size, seed, 2**40 + 7), now)
 
 
+def probe_reference(profile, probe, path: str | None = None) -> float | None:
+    """The profile's mean probe time (seconds, ``extra.probe``: measured now, or saved with a
+    ``profile.path``), the reference of the runs' probes; None, with a warning, where the
+    profile has none or its probe ran other work than ``probe`` (another token, context or
+    warm-up: its times are then no reference); None without a probe (the virtual clock)."""
+    if probe is None:
+        return None
+    saved = (profile.extra or {}).get("probe") or {}
+    where = f"profile.path={path}" if path else "the profile measured now"
+    ours = probe.identity()
+    if not saved.get("mean_ms"):
+        reason = ("has no host-speed probe (extra.probe: profiles measured by qllm-validate "
+                  "since 2026-12-03 have one)")  # fmt: skip
+    elif (theirs := {k: saved.get(k) for k in ours}) != ours:
+        key = next(k for k in ours if theirs[k] != ours[k])
+        reason = (f"timed another host-speed probe ({key} {theirs[key]} against {ours[key]}: "
+                  "another seed, model or version)")  # fmt: skip
+    else:
+        return saved["mean_ms"] / 1e3
+    print(f"warning: {where} {reason}: no host-normalized figures", file=sys.stderr)
+    return None
+
+
 def make_probe(runner, clock: ClockKind, seed: int):
     """A function timing the drift probe on the runs' clock (seconds), or None on the virtual
     clock (which times nothing)."""
@@ -966,14 +989,7 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     if passes := profile.extra.get("pass_speeds"):  # the machine's drift between the rounds
         print(f"the profile's passes ran {', '.join(f'{x:.2f}x' for x in passes)} of its "
               f"medians (one before the first round of real runs, one after each)")  # fmt: skip
-    # the profile's probe (measured now, or saved with a profile.path): the reference
-    host_reference_ms = ((profile.extra or {}).get("probe") or {}).get("mean_ms")
-    host_reference_s = (host_reference_ms / 1e3 if host_reference_ms and speed_probe is not None
-                        else None)  # fmt: skip
-    if host_reference_s is None and speed_probe is not None:
-        print(f"warning: profile.path={cfg.profile.get('path')} has no host-speed probe "
-              "(extra.probe: profiles measured by qllm-validate since 2026-12-03 have one): no "
-              "host-normalized figures", file=sys.stderr)  # fmt: skip
+    host_reference_s = probe_reference(profile, speed_probe, cfg.profile.get("path"))
     if profile.extra.get("self_check"):  # a profile measured now (or saved with one)
         from profiler.measure import self_check_line
 

@@ -174,3 +174,26 @@ def test_excluded_time_leaves_the_clock(clock_kind):
     virtual.tick()
     virtual.exclude(5.0)  # only stages take virtual time
     assert virtual.now() == pytest.approx(1e-3)
+
+
+def test_a_profile_is_the_reference_only_for_runs_of_its_own_probe(runner, capsys):
+    from types import SimpleNamespace
+
+    from realrun.validate import probe_reference
+
+    probe = SpeedProbe(runner, [2, 7, 1, 8], time.perf_counter)
+    ours = {"mean_ms": 3.0, "count": 9, **probe.identity()}
+    assert probe_reference(SimpleNamespace(extra={"probe": ours}), probe) == pytest.approx(3e-3)
+    assert capsys.readouterr().err == ""
+    assert probe_reference(SimpleNamespace(extra={"probe": ours}), None) is None  # virtual clock
+    # another token (another seed or model), another warm-up: its times are no reference
+    other = SpeedProbe(runner, [2, 7, 1, 9], time.perf_counter).identity()
+    for theirs in ({**ours, "ids_sha256": other["ids_sha256"]}, {**ours, "warm_steps": 0}):
+        profile = SimpleNamespace(extra={"probe": theirs})
+        assert probe_reference(profile, probe, "results/p") is None
+        err = capsys.readouterr().err
+        assert err.startswith("warning: profile.path=results/p timed another host-speed probe")
+        assert err.count("\n") == 1 and "no host-normalized figures" in err
+    # none at all (qllm-profile's profiles)
+    assert probe_reference(SimpleNamespace(extra={}), probe, "results/q") is None
+    assert "has no host-speed probe" in capsys.readouterr().err
