@@ -23,7 +23,8 @@ runs' speeds against their profile, 2026-12-02); the host's speed over 0.5 s win
 of work followed it: over 24 real runs of tiny-qwen3-moe near the knee and at overload
 (2026-12-03), the runs' mean probe time correlated 0.97 and 0.99 with their speed against the
 profile, whose spread (CV 7.6% and 13.7%) fell to 2.0% and 3.3% divided by it. The probe (two
-steps every 100 ms of work) costs some 4-7% more work, which the run's clock does not count.
+steps of 2.7-3.7 ms on the tiny presets every 100 ms of work) costs some 5-7% more work, which
+the run's clock does not count.
 """
 
 from __future__ import annotations
