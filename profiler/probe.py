@@ -104,10 +104,6 @@ class SpeedProbe:
         self.times.append(seconds)
         return seconds
 
-    def since(self, index: int) -> list[float]:
-        """The probes' seconds from ``times[index]`` on."""
-        return self.times[index:]
-
 
 def probe_speed(times: list[float], reference_s: float | None) -> float | None:
     """How slow the machine ran over ``times`` (a run's probes) against ``reference_s`` (the

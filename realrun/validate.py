@@ -703,6 +703,9 @@ def probe_reference(profile, probe, path: str | None = None) -> float | None:
     if not saved.get("mean_ms"):
         reason = ("has no host-speed probe (extra.probe: profiles measured by qllm-validate "
                   "since 2026-12-03 have one)")  # fmt: skip
+    elif any(k not in saved for k in ours):
+        reason = ("has a host-speed probe that does not say what it ran (measured before "
+                  "commit 85b8914)")  # fmt: skip
     elif (theirs := {k: saved.get(k) for k in ours}) != ours:
         key = next(k for k in ours if theirs[k] != ours[k])
         reason = (f"timed another host-speed probe ({key} {theirs[key]} against {ours[key]}: "

@@ -194,6 +194,10 @@ def test_a_profile_is_the_reference_only_for_runs_of_its_own_probe(runner, capsy
         err = capsys.readouterr().err
         assert err.startswith("warning: profile.path=results/p timed another host-speed probe")
         assert err.count("\n") == 1 and "no host-normalized figures" in err
+    # one that does not say what it ran (the curated profiles of 2026-12-03 12:54)
+    unnamed = {"mean_ms": 3.0, "count": 9}
+    assert probe_reference(SimpleNamespace(extra={"probe": unnamed}), probe, "results/v") is None
+    assert "does not say what it ran" in capsys.readouterr().err
     # none at all (qllm-profile's profiles)
     assert probe_reference(SimpleNamespace(extra={}), probe, "results/q") is None
     assert "has no host-speed probe" in capsys.readouterr().err
