@@ -453,12 +453,26 @@ class Profiler:
     """Runs the iterations of the grid with the runner and collects stage times per op."""
 
     def __init__(self, runner: ModelRunner, settings: Settings, device: torch.device,
-                 probe: SpeedProbe | None = None) -> None:  # fmt: skip
+                 probe: SpeedProbe | None = None, normalize: bool = True) -> None:  # fmt: skip
         self.runner = runner
-        # the host-speed probe (profiler.probe), run between the shapes of every pass: the
-        # profile's reference for the real runs that run it too (``probe_summary``)
+        # the host-speed probe (profiler.probe), run at the start of every pass and after each
+        # of its shapes: the profile's reference for the real runs that run it too
+        # (``probe_summary``), and with ``normalize`` each shape's unit (``_visit``)
         self.probe = probe
         self.probe_times: list[tuple[int, float]] = []  # (pass, seconds) of each probe it ran
+        # With a probe and ``normalize``, every sample of a shape's visit is filed divided by
+        # the probe's mean time just before and just after it: in probe steps, not ms, so
+        # that a shape timed while the host ran slow is not a slow shape. ``unit_ms`` (the
+        # profile's mean probe) turns them back into ms where they are read (``table``,
+        # ``expert_points``, ``totals_ms``). Why: one visit of a shape (its warm-up and a
+        # pass's share of its repeats, some 20-100 ms) samples the host's speed of that
+        # moment, which moved by a CV of 17% from one visit to the next (tiny-qwen2-moe,
+        # 2026-12-03); a shape's median over 4 visits kept about 10% of it (the ratio of
+        # one decode shape to another over 15 such profiles; 7% normalized), and the
+        # profiles' decode steps of one sequence came out 13-15% slower against those of
+        # two than the real engine ran them (tiny-qwen2-moe, tiny-olmoe: `make validate`
+        # 2026-12-03 12:54, iterations.csv.gz).
+        self.normalize = probe is not None and normalize
         self.settings = settings
         self.clock = StageClock(device, settings.clock)
         self.gen = torch.Generator().manual_seed(settings.seed)
@@ -470,6 +484,8 @@ class Profiler:
         # ``interference`` and ``self_check``
         self.totals: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
         self.totals_pass: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
+        # each total's divisor (the probe's ms around its visit; 1.0 when not normalized)
+        self.totals_unit: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
         # idle ms -> each repeat's step times (ms) after the gap: the wake-up's raw samples,
         # kept in profile.json (extra.wake_samples) so that its curve can be re-derived
         self.wake_samples: dict[int, list[list[float]]] = {}
@@ -527,6 +543,7 @@ class Profiler:
         shape = (batch, num_tokens, kv, batch or prompts)
         self.totals[shape] += [total for total, _ in runs]
         self.totals_pass[shape] += [self.passes_done] * len(runs)
+        self.totals_unit[shape] += [1.0] * len(runs)
         for _, stages in runs:
             experts, routers = 0.0, []
             for st in stages:
@@ -637,17 +654,54 @@ class Profiler:
             raise RuntimeError(f"all {s.passes} passes are done")
         if s.warmup:
             self.warm_up()
-        probe = self.probe
+        before = self._probe() if self.probe is not None else None
         for run in self.pass_shapes():
-            start = probe.timer() if probe is not None else 0.0
-            run()
-            if probe is not None:
-                probe.work(probe.timer() - start)
-                if (seconds := probe.maybe()) is not None:
-                    self.probe_times.append((self.passes_done, seconds))
+            if before is None:
+                run()
+            else:
+                before = self._visit(run, before)
             if bar is not None:
                 bar.update()
         self.passes_done += 1
+
+    def _probe(self) -> float:
+        seconds = self.probe()
+        self.probe_times.append((self.passes_done, seconds))
+        return seconds
+
+    def _visit(self, run, before: float) -> float:
+        """``run`` (a shape's visit), then the probe; with ``normalize``, what the visit filed
+        divided by the probe's mean time around it (``before``, and the probe after it,
+        which is returned: the next visit's ``before``)."""
+        samples = {key: len(v) for key, v in self.samples.items()}
+        totals = {key: len(v) for key, v in self.totals.items()}
+        experts = len(self.expert_samples)
+        run()
+        after = self._probe()
+        if self.normalize:
+            unit = 1e3 * (before + after) / 2  # ms per probe step around the visit
+            for key, v in self.samples.items():
+                v[samples.get(key, 0) :] = [t / unit for t in v[samples.get(key, 0) :]]
+            for key, v in self.totals.items():
+                k = totals.get(key, 0)
+                v[k:] = [t / unit for t in v[k:]]
+                self.totals_unit[key][k:] = [unit] * (len(v) - k)
+            self.expert_samples[experts:] = [(n, t / unit) for n, t in
+                                             self.expert_samples[experts:]]  # fmt: skip
+        return after
+
+    @property
+    def unit_ms(self) -> float:
+        """What a filed sample is in ms: the profile's mean probe (ms per probe step) when the
+        samples are in probe steps (``normalize``), else 1."""
+        if not self.normalize or not self.probe_times:
+            return 1.0
+        return 1e3 * float(np.mean([t for _, t in self.probe_times]))
+
+    def totals_ms(self) -> dict[tuple[int, int, int, int], list[float]]:
+        """``totals`` in ms (``unit_ms``): what ``self_check`` compares the profile with."""
+        unit = self.unit_ms
+        return {key: [t * unit for t in v] for key, v in self.totals.items()}
 
     def pass_shapes(self) -> list:
         """The next pass's shapes (``Settings.num_iterations`` of them), each a call that times
@@ -731,7 +785,8 @@ class Profiler:
             "mean_ms": round(1e3 * float(np.mean(times)), 5),
             "pass_mean_ms": [round(1e3 * float(np.mean(by_pass[k])), 5) for k in sorted(by_pass)],
             "count": len(times),
-            "every_ms": round(1e3 * self.probe.every_s, 3),
+            "placement": "each pass's start and after each shape",
+            "normalized": self.normalize,  # the shapes' samples divided by the probe around them
             **self.probe.identity(),
         }
 
@@ -741,7 +796,8 @@ class Profiler:
         machine ran pass by pass against the whole profile (1.1: 10% slower); passes with
         other work between them (the validation's rounds of real runs) show its drift."""
         ratios: dict[int, list[float]] = defaultdict(list)
-        for key, totals in self.totals.items():
+        for key, stored in self.totals.items():  # as timed (not in probe steps)
+            totals = [t * u for t, u in zip(stored, self.totals_unit[key], strict=True)]
             m = float(np.median(totals))
             if m > 0:
                 for t, k in zip(totals, self.totals_pass[key], strict=True):
@@ -753,7 +809,7 @@ class Profiler:
             for n in self.settings.prefill_tokens:
                 key = ("attn_chunk", 0, n, 0)
                 self.samples[key] = list(self.samples[("attn_prefill", 0, n, 0)])
-        pts = []
+        pts, unit = [], self.unit_ms
         for (op, batch, tokens, kv), times in sorted(self.samples.items()):
             if op in SPLIT_OPS and not self.settings.prefill_pairs:
                 # without the pairs, attn_prefill_next has only the longest prompt's point
@@ -761,7 +817,7 @@ class Profiler:
                 # none at all without them: no split (per_prompt sums attn_prefill)
                 continue
             med, p90 = summarize(times)
-            pts.append(OpPoint(op, batch, tokens, kv, median_ms=med, p90_ms=p90))
+            pts.append(OpPoint(op, batch, tokens, kv, median_ms=med * unit, p90_ms=p90 * unit))
         return pts + self.expert_points()
 
     def expert_points(self) -> list[OpPoint]:
@@ -772,12 +828,12 @@ class Profiler:
         bins: dict[int, list[tuple[int, float]]] = defaultdict(list)
         for n, ms in self.expert_samples:
             bins[int(np.searchsorted(edges, n))].append((n, ms))
-        pts = []
+        pts, unit = [], self.unit_ms
         for i in sorted(bins):
             ns, ms = zip(*bins[i], strict=True)
             med, p90 = summarize(list(ms))
-            pts.append(OpPoint("expert", num_tokens=round(float(np.median(ns))), median_ms=med,
-                               p90_ms=p90))  # fmt: skip
+            pts.append(OpPoint("expert", num_tokens=round(float(np.median(ns))),
+                               median_ms=med * unit, p90_ms=p90 * unit))  # fmt: skip
         return pts
 
     def routing_stats(
@@ -867,7 +923,13 @@ def build_profile(
         description=f"{info.name} ({info.num_params / 1e6:.1f}M parameters, {info.source}) "
         f"on {device}, stages timed inside real iterations of the stepped runner",
         calibration=f"profiler.measure: median of {settings.repeats} iterations per shape "
-        f"in {prof.passes_done} passes, each after {settings.warmup} warm-up, {timing}",
+        f"in {prof.passes_done} passes, each after {settings.warmup} warm-up, {timing}"
+        + (
+            ", each shape's samples divided by the host-speed probe around them (in units of "
+            "the profile's mean probe)"
+            if prof.normalize
+            else ""
+        ),
         device=device,
         dtype=str(info.dtype).removeprefix("torch."),
         model=info.shape,
@@ -891,7 +953,7 @@ def build_profile(
     )
     if (probe := prof.probe_summary()) is not None:
         profile.extra["probe"] = probe
-    profile.extra["self_check"] = self_check(profile, prof.totals)
+    profile.extra["self_check"] = self_check(profile, prof.totals_ms())
     return profile
 
 

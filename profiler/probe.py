@@ -10,11 +10,13 @@ each: 4.01 ms after a decode step of 32 sequences, 3.88 after a prefill of 1,024
 after a step of one sequence and 3.12 after another probe; the timed step after one untimed:
 3.33, 3.34, 3.29 and 3.21). In the first `make validate` with a single step (2026-12-03
 12:14), tiny-qwen2-moe's runs at light load (small steps before each probe) took 1.10x the time
-their probes implied, at overload (large ones) 0.93x. Its owner tells it how much other work has
-run (``work``); every ``every_s`` of that, ``maybe()`` runs it once. The profiler runs it
-between the shapes of its passes, the real engine between iterations (its time left out of
-the run's clock), so that both sample the machine's speed at
-the moments they ran, not a minute before or after.
+their probes implied, at overload (large ones) 0.93x. The real engine tells it how much work has
+run (``work``); every ``every_s`` of that, ``maybe()`` runs it once, between iterations (its
+time left out of the run's clock). The profiler runs it at the start of each pass and after
+each shape's visit, and files the visit's samples divided by the probe around them
+(``Profiler.normalize``): the profile is held in probe steps and read at the mean probe's
+speed. So both sample the machine's speed at the moments they ran, not a minute before or
+after.
 
 Why: on this project's 2-vCPU VM the same work ran up to 1.3x slower from one run of a few
 seconds to the next, and a probe after each run did not follow that (correlation 0.32 with the

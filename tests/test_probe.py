@@ -1,6 +1,6 @@
 """The host-speed probe (profiler.probe): the same step every call, run every ``every_s`` of its
-owner's work; the profiler runs it between the shapes of each pass and files its times per
-pass; the real engine runs it between iterations, never among the first steps after an idle
+owner's work; the profiler runs it around every shape of each pass, files its times per pass
+and each shape's samples divided by the probe around them; the real engine runs it between iterations, never among the first steps after an idle
 gap, without changing the run's clock or schedule; the clocks leave excluded time out."""
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def test_probe_speed_is_the_mean_probe_over_the_reference():
     assert probe_speed([], 0.002) is None and probe_speed([0.002], None) is None
 
 
-def test_the_profiler_runs_the_probe_between_shapes_and_files_it_per_pass(runner):
-    ticks = itertools.count()  # every reading a second later: each shape is "due"
+def test_the_profiler_runs_the_probe_around_every_shape_and_files_it_per_pass(runner):
+    ticks = itertools.count()  # every reading a second later: each probe takes a second
     probe = SpeedProbe(runner, [3, 1, 4, 1, 5], lambda: float(next(ticks)), every_s=0.5)
     settings = Settings([4, 8], [1, 2], [8], [1, 4, 8], warmup=0, repeats=2, passes=2,
                         wake_idle_ms=(), prefill_pairs=False)  # fmt: skip
@@ -72,21 +72,112 @@ def test_the_profiler_runs_the_probe_between_shapes_and_files_it_per_pass(runner
     after_first = len(prof.probe_times)
     prof.grid_pass()
     shapes = settings.num_iterations
-    # one after every shape (each took a "second" of the probe's clock), pass by pass
-    assert after_first == shapes and len(prof.probe_times) == 2 * shapes
-    assert [k for k, _ in prof.probe_times] == [0] * shapes + [1] * shapes
+    # one at each pass's start and one after every shape, pass by pass
+    assert after_first == shapes + 1 and len(prof.probe_times) == 2 * (shapes + 1)
+    assert [k for k, _ in prof.probe_times] == [0] * (shapes + 1) + [1] * (shapes + 1)
     summary = prof.probe_summary()
-    assert summary["count"] == 2 * shapes and summary["every_ms"] == 500
+    assert summary["count"] == 2 * (shapes + 1) and summary["normalized"] is True
     assert summary["mean_ms"] == 1000 and summary["pass_mean_ms"] == [1000, 1000]
     # and the profile keeps it (the real runs' reference)
     info = build_model("tiny-mixtral")[1]
     profile = build_profile(prof, info, "probe-test", prof.table())
     assert profile.extra["probe"] == summary
-    # without a probe: no probe in the profile
+    assert "divided by the host-speed probe" in profile.calibration
+    # without a probe: no probe in the profile, its samples in ms
     plain = Profiler(runner, settings, torch.device("cpu"))
     plain.grid_pass()
-    assert plain.probe_summary() is None
-    assert "probe" not in build_profile(plain, info, "plain", plain.table()).extra
+    assert plain.probe_summary() is None and not plain.normalize and plain.unit_ms == 1.0
+    profile = build_profile(plain, info, "plain", plain.table())
+    assert "probe" not in profile.extra and "host-speed probe" not in profile.calibration
+
+
+class ScheduleProbe:
+    """A probe whose every call reads ``probe_ms`` times the host's speed (``host["speed"]``)."""
+
+    def __init__(self, host: dict, probe_ms: float = 2.0) -> None:
+        self.host, self.probe_ms = host, probe_ms
+
+    def __call__(self) -> float:
+        return self.probe_ms * self.host["speed"] / 1e3
+
+    def identity(self) -> dict:
+        return {"kv": 64, "warm_steps": 1, "ids_sha256": "0" * 16}
+
+
+def slowed_clock(prof: Profiler, host: dict, stage_ms: float) -> None:
+    """Every stage of the profiler's timed iterations takes ``stage_ms`` times the host's
+    speed (the real iteration runs: its stages are the model's)."""
+    iteration = prof.clock.iteration
+
+    def timed(runner, seqs):
+        _, stages = iteration(runner, seqs)
+        for st in stages:
+            st.ms = stage_ms * host["speed"]
+            st.calls = st.calls and [stage_ms * host["speed"] / len(st.calls)] * len(st.calls)
+        return sum(st.ms for st in stages), stages
+
+    prof.clock.iteration = timed
+
+
+def test_a_visit_is_filed_in_probe_steps_and_read_back_in_ms(runner):
+    host = {"speed": 1.0}
+    settings = Settings([4], [1], [8], [1], warmup=0, repeats=3, passes=3, wake_idle_ms=(),
+                        prefill_pairs=False)  # fmt: skip
+    prof = Profiler(runner, settings, torch.device("cpu"), ScheduleProbe(host))
+    slowed_clock(prof, host, stage_ms=0.5)
+    prof.samples[("lm_head", 1, 0, 0)].append(7.0)  # filed before: left as it is
+    before = prof._probe()  # 2 ms
+    host["speed"] = 3.0  # the visit runs 3x slower, and the probe after it reads so
+    after = prof._visit(lambda: prof.decode(1, 8, repeats=3), before)
+    assert after == pytest.approx(6e-3)
+    unit = 1e3 * (before + after) / 2  # 4 ms per probe step around the visit
+    assert prof.samples[("lm_head", 1, 0, 0)] == [7.0] + [pytest.approx(1.5 / unit)] * 3
+    attention = prof.samples[("attn_decode", 1, 0, 8)]  # a stage per layer, per repeat
+    assert len(attention) == 3 * runner.num_layers
+    assert attention == [pytest.approx(1.5 / unit)] * len(attention)
+    assert all(t == pytest.approx(1.5 / unit) for _, t in prof.expert_samples)
+    (shape,) = prof.totals
+    stages = len(prof.clock.iteration(runner, prof.prompts([8]))[1])
+    assert prof.totals[shape] == [pytest.approx(1.5 * stages / unit)] * 3
+    assert prof.totals_unit[shape] == [unit] * 3  # what pass_speeds multiplies back
+    # read back in ms at the profile's mean probe (2 and 6 ms: 4 ms a probe step)
+    assert prof.unit_ms == pytest.approx(4.0)
+    assert prof.totals_ms()[shape] == [pytest.approx(1.5 * stages)] * 3
+    (point,) = [p for p in prof.table() if p.op == "attn_decode"]
+    assert point.median_ms == pytest.approx(1.5) and point.p90_ms == pytest.approx(1.5)
+    # not normalized: the same visit filed as timed
+    raw = Profiler(runner, settings, torch.device("cpu"), ScheduleProbe(host), normalize=False)
+    slowed_clock(raw, host, stage_ms=0.5)
+    raw._visit(lambda: raw.decode(1, 8, repeats=3), raw._probe())
+    assert raw.samples[("attn_decode", 1, 0, 8)] == [pytest.approx(1.5)] * len(attention)
+    assert raw.unit_ms == 1.0 and raw.probe_summary()["normalized"] is False
+
+
+def test_a_profile_normalized_by_its_probe_holds_every_shape_at_its_mean_speed(runner):
+    """The host ran 1x, 1x, then 4x slower pass by pass: normalized, every shape is read at
+    the mean probe's speed (2x); as timed, at the median pass's (1x). The passes' speeds
+    (``pass_speeds``) stay those timed, and the self-check compares like with like."""
+    settings = Settings([4, 8], [1, 2], [8], [1, 4, 8], warmup=0, repeats=3, passes=3,
+                        wake_idle_ms=(), prefill_pairs=False)  # fmt: skip
+    info = build_model("tiny-mixtral")[1]
+    tables = {}
+    for normalize in (True, False):
+        host = {"speed": 1.0}
+        prof = Profiler(runner, settings, torch.device("cpu"), ScheduleProbe(host),
+                        normalize=normalize)  # fmt: skip
+        slowed_clock(prof, host, stage_ms=0.5)
+        for speed in (1.0, 1.0, 4.0):
+            host["speed"] = speed
+            prof.grid_pass()
+        tables[normalize] = {(p.op, p.batch_size, p.num_tokens, p.kv_tokens): p.median_ms
+                             for p in prof.table()}  # fmt: skip
+        assert prof.pass_speeds() == pytest.approx([1.0, 1.0, 4.0])  # over the median pass
+        profile = build_profile(prof, info, "drift", prof.table())
+        check = profile.extra["self_check"]["shapes"]
+        assert all(abs(r["error_pct"]) < 60 for r in check)  # the same units on both sides
+    assert tables[True][("attn_decode", 2, 0, 8)] == pytest.approx(1.0)  # 0.5 ms x 2
+    assert tables[False][("attn_decode", 2, 0, 8)] == pytest.approx(0.5)
+    assert tables[True][("lm_head", 1, 0, 0)] == pytest.approx(1.0)
 
 
 class StubProbe:

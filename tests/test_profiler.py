@@ -539,6 +539,8 @@ def test_each_pass_of_the_grid_has_its_own_speed_against_the_whole_profile():
     profiler.totals_pass[(0, 4, 0, 1)] += [0, 0, 1, 1]
     profiler.totals[(1, 1, 8, 1)] += [3.0, 3.0, 3.0, 3.0]
     profiler.totals_pass[(1, 1, 8, 1)] += [0, 0, 1, 1]
+    for key in profiler.totals:  # as timed (no probe: not in probe steps)
+        profiler.totals_unit[key] += [1.0] * 4
     assert profiler.pass_speeds() == pytest.approx([(2 / 3 + 1) / 2, (4 / 3 + 1) / 2])
     assert np.mean(profiler.pass_speeds()) == pytest.approx(profiler.interference())
 
@@ -771,7 +773,7 @@ def test_a_router_sample_is_an_iterations_mean_over_its_layers():
     total = sum(st.ms for st in stages)
     prof = Profiler.__new__(Profiler)
     prof.samples, prof.expert_samples, prof.totals = defaultdict(list), [], defaultdict(list)
-    prof.totals_pass, prof.passes_done = defaultdict(list), 0
+    prof.totals_pass, prof.totals_unit, prof.passes_done = defaultdict(list), defaultdict(list), 0
     prof.record([(total, stages)] * 3, num_tokens=1, batch=1, kv=8)
     assert prof.samples[("router", 0, 1, 0)] == [pytest.approx(0.4)] * 3
     assert prof.samples[("attn_decode", 1, 0, 8)] == [0.5] * 9
@@ -799,7 +801,7 @@ def test_a_prefill_files_its_own_prepare_and_lm_head_stages_by_its_tokens():
 
     prof = Profiler.__new__(Profiler)
     prof.samples, prof.expert_samples, prof.totals = defaultdict(list), [], defaultdict(list)
-    prof.totals_pass, prof.passes_done = defaultdict(list), 0
+    prof.totals_pass, prof.totals_unit, prof.passes_done = defaultdict(list), defaultdict(list), 0
     prof.record([run(0.3, 0.25)] * 2, num_tokens=16)
     prof.record([run(0.4, 0.35)] * 2, num_tokens=16, prompts=2)
     prof.record([run(0.6, 0.5)], num_tokens=64)
