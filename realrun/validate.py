@@ -1,9 +1,9 @@
 """``qllm-validate``: the simulator against the real engine, on this machine.
 
 1. Profile the model in-process (``profiler.measure``, a grid sized to the workload), in
-   ``replays`` + 1 passes over the grid (``ProfileSource``): one now, one after each round
-   of real replays, so that the profile samples the stretch of time the runs do; or read
-   ``profile.path``.
+   (``replays`` + 1) x ``profile.passes_per_round`` passes over the grid (``ProfileSource``):
+   that many now, and after each round of real replays, so that the profile samples the
+   stretch of time the runs do; or read ``profile.path``.
 2. Choose the rates: ``rate = utilization / S1``, S1 the time the first pass's profile
    predicts for serving the workload's mean request alone (its prefill and its decode steps
    at batch 1).
@@ -123,6 +123,21 @@ def check(cfg: DictConfig) -> None:
             covering_grid(OmegaConf.to_container(cfg.profile.grid), 0, 0, 0)
         except SettingsError as e:
             raise UserError(f"profile.{e}") from None
+        passes_per_round(cfg)
+
+
+def passes_per_round(cfg: DictConfig) -> tuple[int, int]:
+    """(asked, given): the profile's passes before the first round of real replays and after
+    each, ``profile.passes_per_round`` (default 1), given fewer where ``profile.repeats`` does
+    not give every pass of the replays + 1 rounds a repeat of each shape."""
+    asked = cfg.profile.get("passes_per_round", 1)
+    asked = 1 if asked is None else asked
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+        raise UserError(f"profile.passes_per_round={asked}: must be an integer >= 1")
+    repeats = cfg.profile.get("repeats")
+    if not isinstance(repeats, int) or repeats < 1:  # Settings rejects it
+        return asked, asked
+    return asked, max(1, min(asked, repeats // (cfg.replays + 1)))
 
 
 def sim_config(cfg: DictConfig, policy: str, profile_dir: Path) -> DictConfig:
@@ -195,13 +210,16 @@ def largest_prefill(policies: list[str], requests) -> int:
 
 class ProfileSource:
     """The validation's profile: read from ``profile.path``, or measured now, in passes run
-    between the rounds of real replays (``Settings.passes`` = replays + 1: one before the
-    first round, one after each), so that the profile samples the same stretch of the
-    machine's life as the real runs: on a shared machine the same work runs up to 1.9x slower
-    for seconds at a time, and a profile taken all before the runs read some shapes in a slow
-    stretch, the runs in another. ``first()``: the profile after the first pass (it chooses
-    the rates); ``between_rounds()`` runs the next pass; ``final()`` runs any passes left and
-    the wake-up, saves the profile to ``directory`` and returns it."""
+    between the rounds of real replays (``Settings.passes`` = (replays + 1) x
+    ``per_round``: ``per_round`` before the first round, as many after each), so that the
+    profile samples the same stretch of the machine's life as the real runs: on a shared
+    machine the same work runs up to 1.9x slower for seconds at a time, and a profile taken
+    all before the runs read some shapes in a slow stretch, the runs in another.
+    ``per_round`` is ``profile.passes_per_round``, fewer where the repeats do not give every
+    pass one (``Settings.passes`` <= repeats). ``first()``: the profile after the first
+    round's passes (it chooses the rates); ``between_rounds()`` runs the next round's;
+    ``final()`` runs any passes left and the wake-up, saves the profile to ``directory`` and
+    returns it."""
 
     def __init__(self, cfg: DictConfig, runner, info, out: Path, cover: tuple[int, int, int, int],
                  probe=None):  # fmt: skip
@@ -210,6 +228,7 @@ class ProfileSource:
         self.info, self.name = info, f"{out.name}-profile"
         self.directory = (out / "profile").resolve()
         self.prof = None
+        self.per_round = 1  # the profile's passes before the first round and after each
         self.extra: list = []
         path = cfg.profile.get("path")
         if path:
@@ -259,7 +278,14 @@ class ProfileSource:
                   f"{settings_cfg['clock']} clock, these runs on the {runs_clock} clock "
                   f"(clock={ClockKind(cfg.clock).value}): their errors mix the two",
                   file=sys.stderr)  # fmt: skip
-        settings_cfg["passes"] = cfg.replays + 1
+        asked, per_round = passes_per_round(cfg)
+        settings_cfg.pop("passes_per_round", None)
+        if per_round < asked:
+            print(f"warning: profile.passes_per_round={asked}: {per_round} per round (a pass "
+                  f"needs a repeat: profile.repeats={cfg.profile.repeats} over "
+                  f"{cfg.replays + 1} rounds)", file=sys.stderr)  # fmt: skip
+        self.per_round = per_round
+        settings_cfg["passes"] = (cfg.replays + 1) * per_round
         try:
             settings_cfg["grid"], added = covering_grid(settings_cfg["grid"], *cover)
             settings = Settings.from_config({**settings_cfg, "seed": cfg.seed})
@@ -281,7 +307,11 @@ class ProfileSource:
         return self.profile
 
     def between_rounds(self) -> None:
-        if self.prof is not None and self.prof.passes_done < self.prof.settings.passes:
+        if self.prof is None:
+            return
+        for _ in range(self.per_round):
+            if self.prof.passes_done >= self.prof.settings.passes:
+                return
             bar = tqdm(total=self.prof.settings.num_iterations, unit="shape",
                        desc=f"profiling (pass {self.prof.passes_done + 1} of "
                             f"{self.prof.settings.passes})", disable=not self.progress)  # fmt: skip
@@ -990,8 +1020,10 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
           f"{100 * (profile.interference - 1):+.1f}% over its shape's median, on average; "
           f"the simulator scales its iterations by it")  # fmt: skip
     if passes := profile.extra.get("pass_speeds"):  # the machine's drift between the rounds
+        n = source.per_round
+        when = f" ({n} before the first round of real runs, {n} after each)"
         print(f"the profile's passes ran {', '.join(f'{x:.2f}x' for x in passes)} of its "
-              f"medians (one before the first round of real runs, one after each)")  # fmt: skip
+              f"medians, as timed{when}")  # fmt: skip
     host_reference_s = probe_reference(profile, speed_probe, cfg.profile.get("path"))
     if profile.extra.get("self_check"):  # a profile measured now (or saved with one)
         from profiler.measure import self_check_line

@@ -1,7 +1,8 @@
 """The host-speed probe (profiler.probe): the same step every call, run every ``every_s`` of its
 owner's work; the profiler runs it around every shape of each pass, files its times per pass
-and each shape's samples divided by the probe around them; the real engine runs it between iterations, never among the first steps after an idle
-gap, without changing the run's clock or schedule; the clocks leave excluded time out."""
+and each shape's samples divided by the probe around them; the real engine runs it between
+iterations, never among the first steps after an idle gap, without changing the run's clock
+or schedule; the clocks leave excluded time out."""
 
 from __future__ import annotations
 

@@ -528,6 +528,9 @@ def test_interference_is_the_mean_time_over_the_median_of_its_shape():
     profiler.totals[(0, 4, 0, 1)] += [1.0, 1.0, 1.0, 3.0]  # one slow repeat of four: ratio 3
     profiler.totals[(1, 1, 8, 1)] += [2.0, 2.0, 2.0, 2.0]
     assert profiler.interference() == pytest.approx(10 / 8)
+    # a stall (40x its shape's median) counts as STALL_RATIO: not a 4.9% slower profile
+    profiler.totals[(0, 4, 0, 1)][3] = 40.0
+    assert measure.STALL_RATIO == 3.0 and profiler.interference() == pytest.approx(10 / 8)
 
 
 def test_each_pass_of_the_grid_has_its_own_speed_against_the_whole_profile():

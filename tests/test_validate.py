@@ -114,17 +114,19 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
         realrun_run, "execute", lambda *a, **k: order.append("run") or execute(*a, **k)
     )
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("validate", overrides=[*SMALL, f"out_dir={tmp_path}", "name=small"])
+        cfg = compose("validate", overrides=[*SMALL, f"out_dir={tmp_path}", "name=small",
+                                             "profile.repeats=6",
+                                             "profile.passes_per_round=2"])  # fmt: skip
         records, out = run_validation(cfg)
-    # a pass of the profile before the first round of replays (2 policies x 2 rates) and
-    # after each: the profile samples the stretch of time the runs do
+    # two passes of the profile (passes_per_round) before the first round of replays (2
+    # policies x 2 rates) and after each: the profile samples the stretch of time the runs do
     # (the first three runs: the engine's host-time calibration, HOST_ROUNDS bursts)
-    assert order == ["pass", *["run"] * (3 + 4), "pass", *["run"] * 4, "pass"]
+    assert order == ["pass"] * 2 + ["run"] * (3 + 4) + ["pass"] * 2 + ["run"] * 4 + ["pass"] * 2
     saved = json.loads((out / "profile" / "profile.json").read_text())
-    assert "in 3 passes" in saved["calibration"]
+    assert "in 6 passes" in saved["calibration"]
     # the machine's speed pass by pass, whose mean over the (equal) passes is interference
     passes = saved["extra"]["pass_speeds"]
-    assert len(passes) == 3 and all(0.3 < x < 3 for x in passes)
+    assert len(passes) == 6 and all(0.3 < x < 3 for x in passes)
     assert out == tmp_path / "small"
     assert json.loads((out / "validation.json").read_text()) == records
     assert (out / "validation.png").stat().st_size > 0
@@ -154,8 +156,9 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     # the host-normalized prediction, where the probe ran in each replay (a run of less than
     # the probe's every_s of work has none; the loaded point's runs have more)
     normalized = {"sim_host_normalized", "host_normalized_error_pct", "probe_speeds"}
-    probe = saved["extra"]["probe"]  # the reference: the probe between the profile's shapes
-    assert len(probe["pass_mean_ms"]) == 3 and probe["count"] >= 3 and probe["mean_ms"] > 0
+    probe = saved["extra"]["probe"]  # the reference: the probe around the profile's shapes
+    assert len(probe["pass_mean_ms"]) == 6 and probe["count"] >= 6 and probe["mean_ms"] > 0
+    assert probe["normalized"] is True and "divided by the host-speed" in saved["calibration"]
     for r in records:
         assert set(r) in (keys, keys | normalized) and r["cls"] in CLASSES
         if r["load"] == "loaded":
@@ -293,7 +296,9 @@ def test_each_round_runs_every_point_once_in_an_order_of_its_own():
      ("sensitivity_pct=-2", "sensitivity_pct=-2.0: must be >= 0 and below 100"),
      ("workload.rate=99", "workload.rate=99.0: qllm-validate sets each point's rate"),
      # accepted before: the real runs timed 1 ms a stage against a wall-clock profile
-     ("clock=virtual", "clock=virtual: the virtual clock charges every stage 1 ms")],
+     ("clock=virtual", "clock=virtual: the virtual clock charges every stage 1 ms"),
+     ("profile.passes_per_round=0", "profile.passes_per_round=0: must be an integer >= 1"),
+     ("profile.passes_per_round=1.5", "profile.passes_per_round=1.5: must be an integer")],
 )  # fmt: skip
 def test_bad_settings_are_user_errors(override, message):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -580,6 +585,28 @@ def test_a_profile_clock_other_than_the_runs_is_warned_of(tmp_path, capsys):
         "warning: profile.clock=wall: the profile is timed on the wall clock, these runs "
         "on the process clock (clock=cpu)"
     ) in capsys.readouterr().err
+
+
+def test_the_profile_gets_fewer_passes_per_round_where_its_repeats_run_out(tmp_path, capsys):
+    """profile.passes_per_round (3 by default) passes before the first round of replays and
+    after each, a repeat of each shape in every pass: 18 repeats over 4 rounds give 3; 3 give
+    1, said in one warning line (the profile's settings then fail: no pass runs)."""
+    from realrun.run import load_model
+    from realrun.validate import ProfileSource, passes_per_round
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        default = compose("validate")
+        few = compose("validate", overrides=["model=tiny-olmoe", "device=cpu", "clock=cpu",
+                                             "profile.repeats=3", "profile.warmup=-1"])  # fmt: skip
+        one = compose("validate", overrides=["profile.passes_per_round=null"])
+    assert default.replays == 3 and passes_per_round(default) == (3, 3)
+    assert passes_per_round(few) == (3, 1) and passes_per_round(one) == (1, 1)
+    runner, info = load_model(few)
+    with pytest.raises(UserError, match="warmup >= 0"):
+        ProfileSource(few, runner, info, tmp_path / "out", (1, 1, 1, 1))
+    err = capsys.readouterr().err
+    assert ("warning: profile.passes_per_round=3: 1 per round (a pass needs a repeat: "
+            "profile.repeats=3 over 4 rounds)\n") in err  # fmt: skip
 
 
 def test_a_run_that_page_faulted_is_warned_about():
