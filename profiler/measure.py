@@ -452,11 +452,11 @@ def summarize(times_ms: list[float]) -> tuple[float, float]:
 # A timed iteration over this many times its shape's median counts as this many in
 # ``Profiler.interference``: beyond it, the sample is a stall (the host taking the core, a
 # page fault), not the shape's speed, and a mean over the profile's 1,000-2,000 iterations
-# turns one stall into a bias of every prediction: in `make validate` of 2026-12-03 15:06 a
+# turns one stall into a bias of every prediction: in `make validate` of 2026-12-03 14:36 a
 # decode shape of tiny-qwen2-moe (batch 32, kv 16) had a mean of 21.3 ms over a median of
-# about 5.5, its profile's interference came out 1.095 where the other four had 1.02-1.04,
-# and its real runs ran 0.90-0.96x their predictions over their probes (the others about
-# 0.93-1.05x). Slow stretches of the host within a profile (its passes 0.76x-1.25x of the
+# about 5.5, its profile's interference came out 1.095 where the other four had 1.019-1.026,
+# and its real runs ran 0.905-0.961x their predictions over their probes (the others'
+# 0.930-1.050x). Slow stretches of the host within a profile (its passes 0.76x-1.25x of the
 # medians) stay well under it.
 STALL_RATIO = 3.0
 
@@ -481,9 +481,9 @@ class Profiler:
         # moment, which moved by a CV of 17% from one visit to the next (tiny-qwen2-moe,
         # 2026-12-03); a shape's median over 4 visits kept about 10% of it (the ratio of
         # one decode shape to another over 15 such profiles; 7% normalized), and the
-        # profiles' decode steps of one sequence came out 13-15% slower against those of
-        # two than the real engine ran them (tiny-qwen2-moe, tiny-olmoe: `make validate`
-        # 2026-12-03 12:54, iterations.csv.gz).
+        # profiles' decode steps of one sequence came out 11-20% slower against those of
+        # two than the real engine ran them (tiny-qwen2-moe, tiny-olmoe, per load: `make
+        # validate` 2026-12-03 12:54, iterations.csv.gz).
         self.normalize = probe is not None and normalize
         self.settings = settings
         self.clock = StageClock(device, settings.clock)
