@@ -84,7 +84,7 @@ if [ "$DRY" = 1 ]; then
     workload.prompt.tokens=16 workload.prompt.max=32 workload.output.tokens=4 workload.output.max=6
     profile.grid.prefill_tokens=[8,32] profile.grid.decode_batch=[1,4] profile.grid.decode_kv=[16,40]
     profile.grid.expert_tokens=[1,4,16,64] profile.repeats=2 profile.warmup=1
-    profile.routing.prompts=2 profile.routing.prompt_tokens=16)
+    profile.passes_per_round=1 profile.routing.prompts=2 profile.routing.prompt_tokens=16)
   PREEMPTION_ARGS=(--be 2 --be-prompt 16 --be-output 12 --ls 3 --ls-rate 20 --ls-after-s 0.05
     --ls-prompt 8 --policies iteration qllm)
   LIMITS=(30 120 150 30 60 90)
@@ -96,7 +96,10 @@ else
   # min_run_s=0 max_run_s=0: the points keep 24 requests, as the check's time limits were sized for.
   # replays=1 (no noise floor; 2 profile passes): with 2 the step was estimated at 400-480 s
   # (run 2 took 284 s before the drift probe, the duty check, the host-time calibration and
-  # the passes between replays were added), over its 360 s.
+  # the passes between replays were added), over its 360 s. One profile pass per round
+  # (profile.passes_per_round=1), as the limits were sized for: the 3 of `make validate` (many
+  # short visits of each shape, for a CPU VM whose speed moves from one visit to the next)
+  # would time each shape 6 times after 2 warm-up steps, 18 steps where 2 passes take 10.
   VALIDATE_ARGS=(threads=null workload.num_requests=24 utilizations=[0.6,2.0,6.0] replays=1 min_run_s=0 max_run_s=0
     workload.prompt.tokens=128 workload.prompt.sigma=0.6 workload.prompt.min=16 workload.prompt.max=512
     workload.output.tokens=16 workload.output.sigma=0.5 workload.output.min=4 workload.output.max=48
@@ -104,7 +107,8 @@ else
     profile.grid.prefill_tokens=[16,64,128,256,512] profile.grid.decode_batch=[1,4,8,16,32]
     profile.grid.decode_kv=[128,512]
     profile.grid.expert_tokens=[1,2,4,8,16,32,64,128,256,512,1024]
-    profile.repeats=6 profile.warmup=2 profile.routing.prompts=8 profile.routing.prompt_tokens=512)
+    profile.repeats=6 profile.warmup=2 profile.passes_per_round=1
+    profile.routing.prompts=8 profile.routing.prompt_tokens=512)
   PREEMPTION_ARGS=(--be 8 --be-prompt 128 --be-output 100 --ls 12 --ls-rate 5 --ls-after-s 0.5)
   LIMITS=(30 90 360 30 110 90)
 fi

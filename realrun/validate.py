@@ -1020,8 +1020,9 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
           f"{100 * (profile.interference - 1):+.1f}% over its shape's median, on average; "
           f"the simulator scales its iterations by it")  # fmt: skip
     if passes := profile.extra.get("pass_speeds"):  # the machine's drift between the rounds
-        n = source.per_round
-        when = f" ({n} before the first round of real runs, {n} after each)"
+        n = source.per_round  # (a profile.path's passes ran beside another validation's runs)
+        when = (f" ({n} before the first round of real runs, {n} after each)"
+                if source.prof is not None else "")  # fmt: skip
         print(f"the profile's passes ran {', '.join(f'{x:.2f}x' for x in passes)} of its "
               f"medians, as timed{when}")  # fmt: skip
     host_reference_s = probe_reference(profile, speed_probe, cfg.profile.get("path"))
