@@ -478,8 +478,8 @@ class Profiler:
         # profile's mean probe) turns them back into ms where they are read (``table``,
         # ``expert_points``, ``totals_ms``). Why: one visit of a shape (its warm-up and a
         # pass's share of its repeats, some 20-100 ms) samples the host's speed of that
-        # moment, which moved by a CV of 17% from one visit to the next (tiny-qwen2-moe,
-        # 2026-12-03); a shape's median over 4 visits kept about 10% of it (the ratio of
+        # moment, which moved by a CV of 10-18% from one visit to the next (tiny-qwen2-moe,
+        # 2026-12-03); a shape's median over 4 visits kept about 10.5% of it (the ratio of
         # one decode shape to another over 15 such profiles; 7% normalized), and the
         # profiles' decode steps of one sequence came out 11-20% slower against those of
         # two than the real engine ran them (tiny-qwen2-moe, tiny-olmoe, per load: `make
