@@ -342,6 +342,40 @@ class ProfileSource:
         return build_profile(self.prof, self.info, self.name, [*points, *self.extra])
 
 
+class Phases:
+    """Wall time per phase of a validation (the issue's budget is 6 minutes a preset):
+    ``with phases("runs"): ...`` adds that block's time to ``seconds["runs"]``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        return _Phase(self, name)
+
+    def line(self, total_s: float) -> str:
+        """ "profile 2 min 1 s, real runs 3 min 10 s, ..., other 12 s" (other: the rest of
+        total_s); phases in the order first timed."""
+        parts = [*self.seconds.items(), ("other", total_s - sum(self.seconds.values()))]
+        return ", ".join(f"{name} {_min_s(s)}" for name, s in parts)
+
+
+class _Phase:
+    def __init__(self, phases: Phases, name: str) -> None:
+        self.phases, self.name = phases, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        seconds = self.phases.seconds
+        seconds[self.name] = seconds.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+def _min_s(seconds: float) -> str:
+    s = max(0, round(seconds))
+    return f"{s // 60} min {s % 60} s" if s >= 60 else f"{s} s"
+
+
 def run_orders(cases: int, replays: int, seed: int, shuffle: bool = True) -> list[list[int]]:
     """Per round (one per replay), the order of the cases' real runs: each case once, in a
     random order drawn from ``seed`` and the round (another each round), or in turn when
@@ -912,8 +946,10 @@ def measure_engine_host(runner, sim_cfg, profile, largest_batch: int, clock: Clo
 RESULT_FILES = ("validation.json", "iteration_errors.json", "iterations.csv.gz", "validation.png")
 
 
-def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
-    """The whole comparison; needs Hydra initialized with CONF_DIR (the app or a test)."""
+def run_validation(cfg: DictConfig, phases: Phases | None = None) -> tuple[list[dict], Path]:
+    """The whole comparison; needs Hydra initialized with CONF_DIR (the app or a test).
+    ``phases``: where to add each phase's wall time (profile, real runs, simulation)."""
+    phases = phases if phases is not None else Phases()
     check(cfg)
     from profiler.probe import probe_speed
     from realrun.run import (
@@ -947,7 +983,8 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
              largest_prefill(list(cfg.policies), nominal))  # fmt: skip
     # the host-speed probe, run between the profile's shapes and the real runs' iterations
     speed_probe = make_speed_probe(runner, ClockKind(cfg.clock), cfg.seed)
-    source = ProfileSource(cfg, runner, info, out, cover, speed_probe)
+    with phases("profile"):
+        source = ProfileSource(cfg, runner, info, out, cover, speed_probe)
     profile = source.first()
     sims = {p: sim_config(cfg, p, source.directory) for p in cfg.policies}
     prompt = statistics.fmean(r.prompt_tokens for r in nominal)
@@ -978,23 +1015,24 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     if counts != [cfg.workload.num_requests] * len(rates):
         print(f"requests per point {counts} (min_run_s={cfg.min_run_s:g}, "
               f"max_run_s={cfg.max_run_s:g})")  # fmt: skip
-    if cfg.warmup:
-        warm_up(runner, cover[1], largest_batch)
-        longest = max((requests for requests, _ in lists.values()), key=len)
-        footprint = footprint_bytes(longest, largest_batch, profile.memory.kv_bytes_per_token)
-        runner.reserve(RESERVE_HEADROOM * footprint)
-    probe = make_probe(runner, ClockKind(cfg.clock), cfg.seed)
-    reference_s = (statistics.median(probe() for _ in range(PROBE_REFERENCES))
-                   if probe is not None else None)  # fmt: skip
-    duty = duty_slowdown(runner, ClockKind(cfg.clock), cfg.seed)
-    if source.measuring:  # a given profile (profile.path) is used as it is
-        host_cfg = sim_config(cfg, HOST_POLICY, source.directory)
-        host_points = measure_engine_host(runner, host_cfg, profile, largest_batch,
-                                          ClockKind(cfg.clock), cfg.seed)  # fmt: skip
-        source.add_points(host_points)
-        print("engine host time per iteration (engine_host): "
-              + ", ".join(f"{p.median_ms * 1e3:.0f} us at batch {p.batch_size}"
-                          for p in host_points))  # fmt: skip
+    with phases("warm-up and calibration"):
+        if cfg.warmup:
+            warm_up(runner, cover[1], largest_batch)
+            longest = max((requests for requests, _ in lists.values()), key=len)
+            footprint = footprint_bytes(longest, largest_batch, profile.memory.kv_bytes_per_token)
+            runner.reserve(RESERVE_HEADROOM * footprint)
+        probe = make_probe(runner, ClockKind(cfg.clock), cfg.seed)
+        reference_s = (statistics.median(probe() for _ in range(PROBE_REFERENCES))
+                       if probe is not None else None)  # fmt: skip
+        duty = duty_slowdown(runner, ClockKind(cfg.clock), cfg.seed)
+        if source.measuring:  # a given profile (profile.path) is used as it is
+            host_cfg = sim_config(cfg, HOST_POLICY, source.directory)
+            host_points = measure_engine_host(runner, host_cfg, profile, largest_batch,
+                                              ClockKind(cfg.clock), cfg.seed)  # fmt: skip
+            source.add_points(host_points)
+            print("engine host time per iteration (engine_host): "
+                  + ", ".join(f"{p.median_ms * 1e3:.0f} us at batch {p.batch_size}"
+                              for p in host_points))  # fmt: skip
     reals = [[] for _ in cases]  # per case: each replay's summary, segments
     drifts = [[] for _ in cases]  # per case: the probe after each of its replays
     bar = tqdm(total=len(cases) * cfg.replays, desc="validating", unit="run",
@@ -1005,17 +1043,21 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
     for round_no, order in enumerate(orders):
         for place, i in enumerate(order):
             requests, prompts = workloads[i]
-            real = execute(requests, prompts, build_scheduler(sims[cases[i][2]], profile),
-                           runner, cfg.slo, make_clock(ClockKind(cfg.clock)),
-                           probe=speed_probe)  # fmt: skip
+            with phases("real runs"):
+                real = execute(requests, prompts, build_scheduler(sims[cases[i][2]], profile),
+                               runner, cfg.slo, make_clock(ClockKind(cfg.clock)),
+                               probe=speed_probe)  # fmt: skip
             reals[i].append((real.summary, real.result.segments, round_no * len(cases) + place,
                              real.result.probes))  # fmt: skip
             if probe is not None:
-                drifts[i].append(100 * (probe() / reference_s - 1))
+                with phases("drift probes"):
+                    drifts[i].append(100 * (probe() / reference_s - 1))
             bar.update()
-        source.between_rounds()
+        with phases("profile"):
+            source.between_rounds()
     bar.close()
-    profile = source.final()
+    with phases("profile"):
+        profile = source.final()
     print(f"profile interference {profile.interference:.3f}: a timed iteration ran "
           f"{100 * (profile.interference - 1):+.1f}% over its shape's median, on average; "
           f"the simulator scales its iterations by it")  # fmt: skip
@@ -1047,13 +1089,16 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
         load = load_label(u, cfg.utilizations)
         speeds, adjusted, windows, probed, normalized = [], [], [], [], []
         for replay, (_, segments, place, probes) in enumerate(reals[i]):
-            replay_rows = iteration_rows(policy, rate, replay, segments, predictor, host, place,
-                                         load)  # fmt: skip
+            with phases("iteration predictions"):
+                replay_rows = iteration_rows(policy, rate, replay, segments, predictor, host,
+                                             place, load)  # fmt: skip
             rows += replay_rows
             speeds.append(run_speed(replay_rows))
             windows += window_speeds(replay_rows)
             scaled = dataclasses.replace(profile, interference=profile.interference * speeds[-1])
-            rerun = simulate(sims[policy], requests=workloads[i][0], profile=scaled, warn=False)
+            with phases("simulation"):
+                rerun = simulate(sims[policy], requests=workloads[i][0], profile=scaled,
+                                 warn=False)  # fmt: skip
             adjusted.append(rerun.summary)
             beyond += rerun.extrapolated
             if (host_speed := probe_speed(probes, host_reference_s)) is not None:
@@ -1061,16 +1106,19 @@ def run_validation(cfg: DictConfig) -> tuple[list[dict], Path]:
                 scaled = dataclasses.replace(
                     profile, interference=profile.interference * host_speed
                 )
-                normalized.append(simulate(sims[policy], requests=workloads[i][0],
-                                           profile=scaled, warn=False).summary)  # fmt: skip
-        sim = simulate(sims[policy], requests=workloads[i][0], warn=False)
+                with phases("simulation"):
+                    normalized.append(simulate(sims[policy], requests=workloads[i][0],
+                                               profile=scaled, warn=False).summary)  # fmt: skip
+        with phases("simulation"):
+            sim = simulate(sims[policy], requests=workloads[i][0], warn=False)
         beyond += sim.extrapolated
         bounds = []  # every iteration sensitivity_pct faster, then slower
         for sign in (-1, 1) if cfg.sensitivity_pct else ():
             scale = 1 + sign * cfg.sensitivity_pct / 100
             moved = dataclasses.replace(profile, interference=profile.interference * scale)
-            bounds.append(simulate(sims[policy], requests=workloads[i][0], profile=moved,
-                                   warn=False).summary)  # fmt: skip
+            with phases("simulation"):
+                bounds.append(simulate(sims[policy], requests=workloads[i][0], profile=moved,
+                                       warn=False).summary)  # fmt: skip
         drift = round(statistics.median(drifts[i]), 2) if drifts[i] else None
         records += records_of(policy, rate, load,
                               [summary for summary, *_ in reals[i]], sim.summary, drift,
@@ -1279,8 +1327,9 @@ def plot(records: list[dict], path: Path) -> None:
 @job
 def main(cfg: DictConfig) -> None:
     started = time.perf_counter()
+    phases = Phases()
     try:
-        records, out = run_validation(cfg)
+        records, out = run_validation(cfg, phases)
     except UserError as e:
         fail(PROG, str(e))
     print(table(records))
@@ -1292,7 +1341,7 @@ def main(cfg: DictConfig) -> None:
             print(warning, file=sys.stderr)
     took = round(time.perf_counter() - started)  # the issue's budget: 6 minutes a preset
     print(f"{summary_line(records)} -> {out / 'validation.json'} "
-          f"({took // 60} min {took % 60} s)")  # fmt: skip
+          f"({took // 60} min {took % 60} s: {phases.line(took)})")  # fmt: skip
 
 
 def cli() -> None:

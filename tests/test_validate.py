@@ -339,7 +339,12 @@ def test_console_script_prints_the_table(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "error%" in done.stdout and "per-iteration error" in done.stdout
     assert "per-class means: worst |error|" in done.stdout
-    assert re.search(r"validation\.json \(\d+ min \d+ s\)\n", done.stdout)  # how long it took
+    # how long it took, and where (the budget's phases, the rest as "other")
+    took = re.search(r"validation\.json \(\d+ min \d+ s: (.*)\)\n", done.stdout)
+    assert took, done.stdout[-600:]
+    named = [re.sub(r" (\d+ min )?\d+ s$", "", part) for part in took[1].split(", ")]
+    assert named == ["profile", "warm-up and calibration", "real runs", "drift probes",
+                     "iteration predictions", "simulation", "other"], took[1]  # fmt: skip
     assert (tmp_path / "tiny-mixtral-cpu" / "validation.json").is_file()
     bad = subprocess.run([script, "policies=[nope]"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "\n" not in bad.stderr.strip(), bad.stderr
@@ -911,3 +916,21 @@ def test_the_host_time_line_is_fitted_through_the_median_at_each_batch_size():
     assert [p.median_ms for p in flat] == pytest.approx([0.02, 0.02])
     assert [p.median_ms for p in fit_host([(4, 5e-5)])] == pytest.approx([0.05])
     assert fit_host([]) == []
+
+
+def test_phases_add_up_each_phase_and_name_the_rest_other(monkeypatch):
+    clock = iter([0.0, 10.0, 10.0, 12.5, 20.0, 90.0])  # profile 10 s, runs 70 s, profile 2.5 s
+    monkeypatch.setattr(validate.time, "perf_counter", lambda: next(clock))
+    phases = validate.Phases()
+    with phases("profile"):
+        pass
+    with phases("profile"):
+        pass
+    with phases("real runs"):
+        pass
+    assert phases.seconds == {"profile": 12.5, "real runs": 70.0}
+    assert phases.line(100.0) == "profile 12 s, real runs 1 min 10 s, other 18 s"
+    monkeypatch.setattr(validate.time, "perf_counter", iter([100.0, 101.0]).__next__)
+    with pytest.raises(KeyError), phases("simulation"):  # a failing block counts too
+        {}["x"]
+    assert phases.seconds["simulation"] == 1.0
