@@ -435,9 +435,10 @@ def records_of(
     normalized: list[dict] | None = None,
     probe_speeds: list[float] | None = None,
 ) -> list[dict]:
-    """Sim against the mean of the real replays, with the replays' spread (and the drift
-    probe's change since the profile, timed after them; and the machine's duty-cycle
-    slowdown, ``duty_slowdown``). ``adjusted``: per replay, the simulator's summary with the
+    """Sim against the mean of the real replays, with the replays' spread (and ``drift_pct``,
+    how much slower the host ran during them than during the profile, the median of
+    ``probe_speeds`` in %; and the machine's duty-cycle slowdown, ``duty_slowdown``).
+    ``adjusted``: per replay, the simulator's summary with the
     profile scaled by that replay's measured speed (``speeds``, ``run_speed``): the
     diagnostic ``sim_speed_adjusted`` / ``speed_adjusted_error_pct`` (the mean over the
     replays against the real mean), which says what is left of the error once the machine's
@@ -729,15 +730,11 @@ def _bucket_key(value: str) -> tuple[int, str]:
     return (int(digits) + (value.startswith(">")) if digits else 0, value)
 
 
-# The drift probe: decode steps of PROBE_SHAPE (sequences, cached tokens each), PROBE_STEPS timed
-# after 5 untimed, rewound after each; the median, timed after each point's runs against the
-# median of PROBE_REFERENCES probes right after the profile, says how far the machine's own
-# speed moved meanwhile. (20 steps and one reference read -26% to +72% within a preset whose
-# errors stayed within 14%: the probe itself was that noisy.)
-PROBE_SHAPE = (4, 64)
-PROBE_STEPS = 60
-PROBE_REFERENCES = 3
-# Drift of the probe (|%|) above which the validation warns: more than half the goal's 10%.
+# How much slower or faster (|%|) the host-speed probe ran during a point's runs than during
+# the profile (``probe_drift_pct``) above which the validation warns: more than half the goal's
+# 10%. (Until 2026-12-03 a separate probe of 60 decode steps of 4 sequences, timed after each
+# point's runs against three right after the profile, told it: it correlated 0.32 with the
+# runs' speeds, and cost some 10 s a preset.)
 DRIFT_WARNING_PCT = 5.0
 
 
@@ -750,7 +747,7 @@ def make_speed_probe(runner, clock: ClockKind, seed: int):
     from realrun.prompts import random_ids
 
     now = time.process_time if clock is ClockKind.cpu else time.perf_counter
-    # ids no request has (requests count from 0), nor the drift probe's
+    # ids no request has (requests count from 0)
     return SpeedProbe(runner, random_ids(PROBE_KV, runner.config.vocab_size, seed, 2**40 + 7), now)
 
 
@@ -778,34 +775,6 @@ def probe_reference(profile, probe, path: str | None = None) -> float | None:
         return saved["mean_ms"] / 1e3
     print(f"warning: {where} {reason}: no host-normalized figures", file=sys.stderr)
     return None
-
-
-def make_probe(runner, clock: ClockKind, seed: int):
-    """A function timing the drift probe on the runs' clock (seconds), or None on the virtual
-    clock (which times nothing)."""
-    if clock is ClockKind.virtual:
-        return None
-    from realrun.prompts import random_ids
-
-    now = time.process_time if clock is ClockKind.cpu else time.perf_counter
-    batch, kv = PROBE_SHAPE
-    vocab = runner.config.vocab_size
-    # ids no request has (requests count from 0)
-    seqs = [runner.new_sequence(random_ids(kv, vocab, seed, 2**40 + i)) for i in range(batch)]
-    runner.run(runner.begin(seqs))  # the prefill: kv cached, a token to feed
-    marks = [(len(q.token_ids), q.num_cached) for q in seqs]
-
-    def probe() -> float:
-        times = []
-        for _ in range(5 + PROBE_STEPS):
-            t = now()
-            runner.run(runner.begin(seqs))  # returns the tokens: the device has finished
-            times.append(now() - t)
-            for q, (n, c) in zip(seqs, marks, strict=True):
-                q.truncate(n, c)
-        return statistics.median(times[5:])
-
-    return probe
 
 
 # The duty-cycle check: decode steps of one sequence of 64 cached tokens, back to back and in
@@ -862,14 +831,15 @@ def duty_warning(records: list[dict]) -> str | None:
 
 
 def drift_warning(records: list[dict]) -> str | None:
-    """A warning when the drift probe moved by more than DRIFT_WARNING_PCT during the runs."""
+    """A warning when the host ran more than DRIFT_WARNING_PCT slower or faster during a point's
+    runs than during the profile (``probe_drift_pct``)."""
     drifts = [d for r in records if (d := r.get("probe_drift_pct")) is not None]
     worst = max(drifts, key=abs, default=0.0)
     if abs(worst) <= DRIFT_WARNING_PCT:
         return None
-    return (f"warning: the machine's own speed drifted {worst:+.1f}% during the runs (a fixed "
-            f"probe, timed after the profile and after each point): errors up to that size "
-            f"may be the machine's, not the model's")  # fmt: skip
+    return (f"warning: the machine's own speed drifted {worst:+.1f}% during the runs (the "
+            f"host-speed probe within a point's runs against the profile's): the raw errors "
+            f"may be the machine's that much, not the model's")  # fmt: skip
 
 
 # The engine's host time calibration (``engine_host``): a burst of requests, one per batch
@@ -1021,9 +991,6 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None) -> tuple[list[
             longest = max((requests for requests, _ in lists.values()), key=len)
             footprint = footprint_bytes(longest, largest_batch, profile.memory.kv_bytes_per_token)
             runner.reserve(RESERVE_HEADROOM * footprint)
-        probe = make_probe(runner, ClockKind(cfg.clock), cfg.seed)
-        reference_s = (statistics.median(probe() for _ in range(PROBE_REFERENCES))
-                       if probe is not None else None)  # fmt: skip
         duty = duty_slowdown(runner, ClockKind(cfg.clock), cfg.seed)
         if source.measuring:  # a given profile (profile.path) is used as it is
             host_cfg = sim_config(cfg, HOST_POLICY, source.directory)
@@ -1034,7 +1001,6 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None) -> tuple[list[
                   + ", ".join(f"{p.median_ms * 1e3:.0f} us at batch {p.batch_size}"
                               for p in host_points))  # fmt: skip
     reals = [[] for _ in cases]  # per case: each replay's summary, segments
-    drifts = [[] for _ in cases]  # per case: the probe after each of its replays
     bar = tqdm(total=len(cases) * cfg.replays, desc="validating", unit="run",
                disable=not cfg.progress)  # fmt: skip
     # Round by round: every case once (in a random order: run_orders), then a pass of the
@@ -1049,9 +1015,6 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None) -> tuple[list[
                                probe=speed_probe)  # fmt: skip
             reals[i].append((real.summary, real.result.segments, round_no * len(cases) + place,
                              real.result.probes))  # fmt: skip
-            if probe is not None:
-                with phases("drift probes"):
-                    drifts[i].append(100 * (probe() / reference_s - 1))
             bar.update()
         with phases("profile"):
             source.between_rounds()
@@ -1119,7 +1082,9 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None) -> tuple[list[
             with phases("simulation"):
                 bounds.append(simulate(sims[policy], requests=workloads[i][0], profile=moved,
                                        warn=False).summary)  # fmt: skip
-        drift = round(statistics.median(drifts[i]), 2) if drifts[i] else None
+        # the host's speed during the point's runs against the profile's, as the probe within
+        # them measured it
+        drift = round(100 * (statistics.median(probed) - 1), 2) if probed else None
         records += records_of(policy, rate, load,
                               [summary for summary, *_ in reals[i]], sim.summary, drift,
                               duty, adjusted, speeds, windows, bounds, cfg.sensitivity_pct,

@@ -343,7 +343,7 @@ def test_console_script_prints_the_table(tmp_path):
     took = re.search(r"validation\.json \(\d+ min \d+ s: (.*)\)\n", done.stdout)
     assert took, done.stdout[-600:]
     named = [re.sub(r" (\d+ min )?\d+ s$", "", part) for part in took[1].split(", ")]
-    assert named == ["profile", "warm-up and calibration", "real runs", "drift probes",
+    assert named == ["profile", "warm-up and calibration", "real runs",
                      "iteration predictions", "simulation", "other"], took[1]  # fmt: skip
     assert (tmp_path / "tiny-mixtral-cpu" / "validation.json").is_file()
     bad = subprocess.run([script, "policies=[nope]"], capture_output=True, text=True, timeout=60)
