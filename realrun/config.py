@@ -78,7 +78,7 @@ class ValidateConfig(EngineConfig):
     # more requests at a point whose workload.num_requests arrivals would span less than this
     min_run_s: float = 2.0
     # fewer at a point whose workload.num_requests arrivals would span more than this (0: off)
-    max_run_s: float = 15.0
+    max_run_s: float = 12.0
     # each point is also simulated with every iteration this much slower and faster: how
     # far its figures move says how well a timing model can predict them at all (0: off)
     sensitivity_pct: float = 2.0
