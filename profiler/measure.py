@@ -459,12 +459,6 @@ def summarize(times_ms: list[float]) -> tuple[float, float]:
 # 0.930-1.050x). Slow stretches of the host within a profile (its passes 0.76x-1.25x of the
 # medians) stay well under it.
 STALL_RATIO = 3.0
-# A decode shape's sequences (their KV cache, built by a prefill of batch x kv/2..kv tokens)
-# are kept from one pass to the next while all that is kept stays under this many bytes: the
-# prefills that built them anew took 28% of a pass's time (tiny-mixtral, 4.6 of 16.7 s over 3
-# passes, 2026-12-03), and the untimed step before the timed ones leaves no trace of the work
-# before it (profiler.probe). Above it (a large model's grid) each visit builds its own.
-KEEP_KV_BYTES = 256 * 2**20
 
 
 class Profiler:
@@ -507,8 +501,6 @@ class Profiler:
         # idle ms -> each repeat's step times (ms) after the gap: the wake-up's raw samples,
         # kept in profile.json (extra.wake_samples) so that its curve can be re-derived
         self.wake_samples: dict[int, list[list[float]]] = {}
-        # (batch, kv) -> a decode shape's sequences, kept for its next pass (KEEP_KV_BYTES)
-        self.kept: dict[tuple[int, int], list[KVSequence]] = {}
 
     def random_ids(self, n: int) -> list[int]:
         vocab = self.runner.config.vocab_size
@@ -617,16 +609,10 @@ class Profiler:
         # Contexts spread from kv/2 up to kv: in a real decode batch they differ, and the runner
         # then pads them to the longest (the latency model reads attn_decode at the max), a
         # path that equal lengths would skip.
-        seqs = self.kept.pop((batch, kv), None)  # its sequences from the last pass
-        if seqs is None:
-            seqs = self.prompts(decode_lengths(batch, kv))
-            self.runner.run(self.runner.begin(seqs))  # the prefill: kv cached, one token to feed
+        seqs = self.prompts(decode_lengths(batch, kv))
+        self.runner.run(self.runner.begin(seqs))  # the prefill: kv cached, one token to feed
         self.record(self.repeat(seqs, repeats), num_tokens=batch, batch=batch, kv=kv)
-        self.bind(seqs, repeats)  # (the sequences as they were: kv cached, one token to feed)
-        kept = sum(q.kv_bytes() for s in self.kept.values() for q in s)
-        if (self.passes_done + 1 < self.settings.passes
-                and kept + sum(q.kv_bytes() for q in seqs) <= KEEP_KV_BYTES):  # fmt: skip
-            self.kept[(batch, kv)] = seqs
+        self.bind(seqs, repeats)
 
     def bind(self, seqs: list[KVSequence], repeats: int | None = None) -> None:
         """``attn_decode_bind``: steps of a new decode batch, made as a run makes them: before

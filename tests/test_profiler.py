@@ -891,31 +891,3 @@ def test_a_grid_setting_that_is_not_a_list_of_integers_is_refused(override, said
     with pytest.raises(measure.SettingsError) as e:
         Settings.from_config(cfg)
     assert str(e.value).startswith(said), e.value
-
-
-@pytest.mark.parametrize("limit", [measure.KEEP_KV_BYTES, 0])
-def test_a_decode_shapes_cache_is_built_once_and_kept_for_the_next_pass(monkeypatch, limit):
-    """A decode shape's sequences (the prefill of batch x kv/2..kv tokens that builds their
-    cache) are kept from one pass to the next, under KEEP_KV_BYTES; none after the last."""
-    monkeypatch.setattr(measure, "KEEP_KV_BYTES", limit)
-    runner = ModelRunner(build_model("tiny-mixtral")[0])
-    settings = Settings([4], [1, 3], [8], [1], warmup=1, repeats=3, passes=3, wake_idle_ms=())
-    profiler = Profiler(runner, settings, torch.device("cpu"))
-    shape = measure.decode_lengths(3, 8)
-    built = []  # every batch of sequences made for the decode shape of 3 (not the warm-up's)
-    prompts = profiler.prompts
-    monkeypatch.setattr(profiler, "prompts",
-                        lambda lengths: (built.append(lengths) if lengths == shape else None)
-                        or prompts(lengths))  # fmt: skip
-    profiler.grid_pass()
-    if limit:
-        kept = profiler.kept[(3, 8)]
-        assert [s.num_cached for s in kept] == shape
-        assert [len(s.token_ids) - s.num_cached for s in kept] == [1, 1, 1]  # one to feed
-    else:
-        assert profiler.kept == {}
-    profiler.grid_pass()
-    profiler.grid_pass()
-    assert built == [shape] * (1 if limit else 3)
-    assert profiler.kept == {}  # the last pass keeps nothing
-    assert len(profiler.totals[(3, 3, 8, 3)]) == 3  # every pass timed its share of the repeats
