@@ -39,6 +39,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -349,26 +350,19 @@ class Phases:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
+    @contextlib.contextmanager
     def __call__(self, name: str):
-        return _Phase(self, name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def line(self, total_s: float) -> str:
         """ "profile 2 min 1 s, real runs 3 min 10 s, ..., other 12 s" (other: the rest of
         total_s); phases in the order first timed."""
         parts = [*self.seconds.items(), ("other", total_s - sum(self.seconds.values()))]
         return ", ".join(f"{name} {_min_s(s)}" for name, s in parts)
-
-
-class _Phase:
-    def __init__(self, phases: Phases, name: str) -> None:
-        self.phases, self.name = phases, name
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        seconds = self.phases.seconds
-        seconds[self.name] = seconds.get(self.name, 0.0) + time.perf_counter() - self.start
 
 
 def _min_s(seconds: float) -> str:
@@ -773,7 +767,8 @@ def probe_reference(profile, probe, path: str | None = None) -> float | None:
                   "another seed, model or version)")  # fmt: skip
     else:
         return saved["mean_ms"] / 1e3
-    print(f"warning: {where} {reason}: no host-normalized figures", file=sys.stderr)
+    print(f"warning: {where} {reason}: no host-normalized figures, no drift figure",
+          file=sys.stderr)  # fmt: skip
     return None
 
 
