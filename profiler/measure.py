@@ -84,7 +84,9 @@ than inside an iteration, where the rest of the model streamed through the cache
   10-200 ms of idle time ran 1.2-2.2 ms (40-70%) slower, the next ones 0-0.5 ms. The raw
   step times are kept (``Profiler.wake_samples``, profile.json ``extra.wake_samples``).
 
-Each iteration runs ``warmup`` + ``repeats`` times (the sequences rewound in between), after
+Each iteration runs ``warmup`` + ``repeats`` times (a decode or chunk's sequences rewound in
+between; a prefill's on new sequences, alternately n // ``PREFILL_JITTER`` tokens a prompt
+shorter and longer than the grid's n and folded back onto n: ``Profiler.prefill``), after
 one untimed prefill and decode step at the grid's largest shapes; attention samples pool all
 layers, a router sample is an iteration's mean over its layers (a dense layer, such as
 DeepSeek-V3's first, runs its whole MLP in its router stage: a median over all layers' stages
@@ -191,6 +193,17 @@ KV_MEMORY_SHARE = 0.9
 
 
 SPLIT_OPS = ("attn_prefill_outer", "attn_prefill_next")  # a prefill's attention, split
+# A prefill shape of n tokens a prompt is timed at n - n // PREFILL_JITTER and n +
+# n // PREFILL_JITTER tokens a prompt, alternately, on new sequences every iteration
+# (``Profiler.prefill``): a run's prefills write new caches, and no two in a row have the same
+# lengths. Rewound and re-run at one length, as before 2026-12-04, a prefill's attention
+# stage ran 4-9% faster than so (3 prompts of 64 tokens against 48-80, new sequences each
+# time, paired iteration by iteration: tiny-mixtral 1.08x-1.11x, tiny-qwen2-moe 1.07x-1.10x;
+# one prompt 1.05x and 1.06x; new sequences of the same length 1.03x-1.06x), the other stages
+# within 1-4%; and in the real runs the prefills of 2-8 prompts ran 1.06x-1.09x their
+# prediction over the host-speed probe on four presets of the curated `make validate`
+# (2026-12-03 18:33; 0.99x-1.01x on tiny-olmoe).
+PREFILL_JITTER = 8
 
 
 @dataclass
@@ -277,6 +290,16 @@ class Settings:
     def pass_repeats(self, k: int) -> int:
         """The repeats of pass k (0-based): ``repeats`` split as evenly as ``passes`` allow."""
         return self.repeats // self.passes + (k < self.repeats % self.passes)
+
+    def pass_prefill_repeats(self, k: int) -> int:
+        """The repeats of pass k of a jittered prefill shape (``Profiler.prefill``): whole
+        pairs, one prompt length shorter and one longer in each (so that no pass times one
+        side alone, read at that pass's host speed), ``repeats`` rounded up to pairs and the
+        pairs split as evenly as ``passes`` allow (a pass may have none)."""
+        if self.repeats < 2:
+            return self.pass_repeats(k)
+        pairs = -(-self.repeats // 2)
+        return 2 * (pairs // self.passes + (k < pairs % self.passes))
 
     @property
     def num_iterations(self) -> int:
@@ -449,6 +472,17 @@ def summarize(times_ms: list[float]) -> tuple[float, float]:
     return float(np.median(times_ms)), float(np.percentile(times_ms, 90))
 
 
+class _Jittered:
+    """``Profiler.record``'s samples of a jittered prefill: ``[key]`` is the list in
+    ``Profiler.jittered`` of that grid key at its offset (``offset(key)``)."""
+
+    def __init__(self, jittered: dict, offset) -> None:
+        self.jittered, self.offset = jittered, offset
+
+    def __getitem__(self, key: tuple[str, int, int, int]) -> list[float]:
+        return self.jittered[(*key, self.offset(key))]
+
+
 # A timed iteration over this many times its shape's median counts as this many in
 # ``Profiler.interference``: beyond it, the sample is a stall (the host taking the core, a
 # page fault), not the shape's speed, and a mean over the profile's 1,000-2,000 iterations
@@ -491,6 +525,12 @@ class Profiler:
         # (op, batch_size, num_tokens, kv_tokens) -> stage times (ms)
         self.samples: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
         self.expert_samples: list[tuple[int, float]] = []
+        # a jittered prefill's samples (``prefill``): (op, batch_size, num_tokens on the grid,
+        # kv_tokens, the tokens' offset from it) -> stage times; ``table`` folds them
+        self.jittered: dict[tuple[str, int, int, int, int], list[float]] = defaultdict(list)
+        # the shapes (``totals``' keys) that a jittered prefill ran: each length on alternate
+        # passes only (``pass_speeds`` leaves them out)
+        self.jittered_shapes: set[tuple[int, int, int, int]] = set()
         self.passes_done = 0
         # (batch, num_tokens, kv, sequences) -> every timed iteration's total (ms):
         # ``interference`` and ``self_check``
@@ -532,27 +572,38 @@ class Profiler:
         return runs
 
     def record(self, runs: list, num_tokens: int, batch: int = 0, kv: int = 0,
-               prompts: int = 1) -> None:  # fmt: skip
+               prompts: int = 1, jitter: int = 0) -> None:  # fmt: skip
         """File a shape's stage times under their ops: a prefill of ``num_tokens`` (batch 0)
         in ``prompts`` equal prompts (attention only when one prompt), or a decode ``batch`` with
-        ``kv`` cached tokens each (which also gives lm_head and step_overhead)."""
-        attention = ("attn_decode", batch, 0, kv) if batch else ("attn_prefill", 0, num_tokens, 0)
-        ops = {"router": ("router", 0, num_tokens, 0)}
+        ``kv`` cached tokens each (which also gives lm_head and step_overhead). ``jitter``: a
+        prefill's prompts are each that many tokens off their grid length (``prefill``): its
+        samples are filed under the grid's lengths with the offset (``jittered``), which
+        ``table`` folds onto them."""
+        grid = num_tokens - jitter * prompts  # a prefill's tokens on the grid
+        attention = ("attn_decode", batch, 0, kv) if batch else ("attn_prefill", 0, grid, 0)
+        ops = {"router": ("router", 0, grid, 0)}
         if batch:
             ops["lm_head"] = ("lm_head", batch, 0, 0)
             ops["prepare"] = ("prepare_decode", batch, 0, 0)
         else:
-            ops["lm_head"] = ("lm_head_prefill", 0, num_tokens, 0)
-            ops["prepare"] = ("prepare_prefill", 0, num_tokens, 0)
+            ops["lm_head"] = ("lm_head_prefill", 0, grid, 0)
+            ops["prepare"] = ("prepare_prefill", 0, grid, 0)
         if batch or prompts == 1:  # a prefill batch's attention stage runs every prompt's
             ops["attention"] = attention
         # a prefill's attention stage, split (attn_prefill_outer, attn_prefill_next)
-        outer = ("attn_prefill_outer", 0, num_tokens, 0)
-        after_first = ("attn_prefill_next", 0, num_tokens // prompts, 0)
+        outer = ("attn_prefill_outer", 0, grid, 0)
+        after_first = ("attn_prefill_next", 0, grid // prompts, 0)
+        if jitter:  # whole-iteration ops are off by every prompt's offset, a call by one's
+            offsets = {after_first: jitter}
+            samples = _Jittered(self.jittered, lambda key: offsets.get(key, jitter * prompts))
+        else:
+            samples = self.samples
         counts: dict[tuple, int] = defaultdict(int)  # stages of each op in one iteration
         filed: dict[tuple, int] = defaultdict(int)  # samples of each op filed by this call
         expert_ms = []  # per run: the experts' summed time
         shape = (batch, num_tokens, kv, batch or prompts)
+        if jitter:
+            self.jittered_shapes.add(shape)
         self.totals[shape] += [total for total, _ in runs]
         self.totals_pass[shape] += [self.passes_done] * len(runs)
         self.totals_unit[shape] += [1.0] * len(runs)
@@ -566,18 +617,18 @@ class Profiler:
                 elif stage == "router":
                     routers.append(st.ms)
                 elif stage in ops:
-                    self.samples[ops[stage]].append(st.ms)
+                    samples[ops[stage]].append(st.ms)
                     filed[ops[stage]] += 1
                 if st.calls:  # a prefill's attention stage, its prompts' calls timed
-                    self.samples[outer].append(st.ms - sum(st.calls))
+                    samples[outer].append(st.ms - sum(st.calls))
                     if len(st.calls) > 1:
-                        self.samples[after_first].append(float(np.mean(st.calls[1:])))
+                        samples[after_first].append(float(np.mean(st.calls[1:])))
             expert_ms.append(experts)
             if routers:
                 # one sample per iteration, the mean over its layers: a dense layer (DeepSeek-V3's
                 # first) runs its whole MLP in its router stage, which a median over all
                 # layers' stages would drop, and the latency model charges router x layers
-                self.samples[ops["router"]].append(float(np.mean(routers)))
+                samples[ops["router"]].append(float(np.mean(routers)))
                 filed[ops["router"]] += 1
                 counts[ops["router"]] = len(routers)
         for op, n in filed.items():
@@ -593,9 +644,22 @@ class Profiler:
             self.samples[("step_overhead", batch, 0, 0)].append(max(residual, 0.0))
 
     def prefill(self, n: int, repeats: int | None = None, prompts: int = 1) -> None:
-        """A prefill of ``prompts`` prompts of n tokens each."""
-        runs = self.repeat(self.prompts([n] * prompts), repeats)
-        self.record(runs, num_tokens=n * prompts, prompts=prompts)
+        """A prefill of ``prompts`` prompts of n tokens each, ``warmup`` untimed and ``repeats``
+        timed, as a run's prefills run: new sequences every time (a new cache written), their
+        prompts alternately d = n // PREFILL_JITTER tokens shorter and longer than n (so that
+        no two in a row have the same lengths), the timed ones in pairs (``repeats`` rounded
+        up: each pair one of each), their samples filed under n with the offset (``record``).
+        A profile of one repeat a shape (``Settings.repeats``) times every prefill at n: one
+        side alone has no midpoint."""
+        repeats = self.settings.repeats if repeats is None else repeats
+        d = n // PREFILL_JITTER if self.settings.repeats >= 2 else 0
+        warmup = self.settings.warmup
+        for i in range(warmup + repeats + (repeats % 2 if d else 0)):  # timed in pairs
+            offset = -d if (i - warmup) % 2 == 0 else d  # the warm-up's last: longer
+            run = self.clock.iteration(self.runner, self.prompts([n + offset] * prompts))
+            if i >= self.settings.warmup:
+                self.record([run], num_tokens=(n + offset) * prompts, prompts=prompts,
+                            jitter=offset)  # fmt: skip
 
     def chunk(self, n: int, kv: int, repeats: int | None = None) -> None:
         """A chunk of n tokens over kv cached: only its attention is filed (``attn_chunk``)."""
@@ -686,14 +750,16 @@ class Profiler:
         divided by the probe's mean time around it (``before``, and the probe after it,
         which is returned: the next visit's ``before``)."""
         samples = {key: len(v) for key, v in self.samples.items()}
+        jittered = {key: len(v) for key, v in self.jittered.items()}
         totals = {key: len(v) for key, v in self.totals.items()}
         experts = len(self.expert_samples)
         run()
         after = self._probe()
         if self.normalize:
             unit = 1e3 * (before + after) / 2  # ms per probe step around the visit
-            for key, v in self.samples.items():
-                v[samples.get(key, 0) :] = [t / unit for t in v[samples.get(key, 0) :]]
+            for filed, counts in ((self.samples, samples), (self.jittered, jittered)):
+                for key, v in filed.items():
+                    v[counts.get(key, 0) :] = [t / unit for t in v[counts.get(key, 0) :]]
             for key, v in self.totals.items():
                 k = totals.get(key, 0)
                 v[k:] = [t / unit for t in v[k:]]
@@ -726,14 +792,20 @@ class Profiler:
         few passes keeps as a bias of one phase against the other."""
         s = self.settings
         repeats = s.pass_repeats(self.passes_done)
+        jittered = s.pass_prefill_repeats(self.passes_done)  # a jittered prefill's, in pairs
+
+        def prefill_repeats(n: int) -> int:
+            return jittered if n // PREFILL_JITTER else repeats
+
         pairs = set(s.prefill_pairs_tokens)
         shapes = []
         for n in s.prefill_tokens:
-            shapes.append(functools.partial(self.prefill, n, repeats))
+            shapes.append(functools.partial(self.prefill, n, prefill_repeats(n)))
             if n in pairs:
-                shapes.append(functools.partial(self.prefill, n, repeats, prompts=2))
+                shapes.append(functools.partial(self.prefill, n, prefill_repeats(n), prompts=2))
             shapes += [functools.partial(self.chunk, n, kv, repeats) for kv in s.chunk_kv]
-        shapes += [functools.partial(self.prefill, max(s.prefill_tokens), repeats, prompts=k)
+        longest = max(s.prefill_tokens)
+        shapes += [functools.partial(self.prefill, longest, prefill_repeats(longest), prompts=k)
                    for k in s.prefill_batches]  # fmt: skip
         shapes += [functools.partial(self.decode, b, kv, repeats)
                    for kv in s.decode_kv for b in s.decode_batch]  # fmt: skip
@@ -807,9 +879,13 @@ class Profiler:
         """Per pass of the grid, ``interference`` of its timed iterations alone: the mean of
         each one's total over the median of its shape's repeats in every pass. How fast the
         machine ran pass by pass against the whole profile (1.1: 10% slower); passes with
-        other work between them (the validation's rounds of real runs) show its drift."""
+        other work between them (the validation's rounds of real runs) show its drift. The
+        jittered prefills' shapes are left out: one that ran on alternate passes only has no
+        median of every pass to be read against."""
         ratios: dict[int, list[float]] = defaultdict(list)
         for key, stored in self.totals.items():  # as timed (not in probe steps)
+            if key in self.jittered_shapes:
+                continue
             totals = [t * u for t, u in zip(stored, self.totals_unit[key], strict=True)]
             m = float(np.median(totals))
             if m > 0:
@@ -817,13 +893,36 @@ class Profiler:
                     ratios[k].append(t / m)
         return [float(np.mean(ratios[k])) for k in sorted(ratios)]
 
+    def folded(self) -> dict[tuple[str, int, int, int], list[float]]:
+        """``samples`` with the jittered prefills' folded onto their grid lengths: where a
+        shape was timed both shorter and longer, each side's samples are moved by the
+        difference between its median and the mean of the two sides' medians (the point at n
+        is then the midpoint of those at n - d and n + d: exact where the op is linear in the
+        tokens over that span, and the spread of the samples is each side's own); a shape
+        timed on one side only keeps its samples at the length it ran."""
+        samples = defaultdict(list, {key: list(v) for key, v in self.samples.items()})
+        sides: dict[tuple[str, int, int, int], dict[int, list[float]]] = defaultdict(dict)
+        for (op, batch, tokens, kv, offset), times in self.jittered.items():
+            if times:
+                sides[(op, batch, tokens, kv)][offset] = times
+        for (op, batch, tokens, kv), by_offset in sides.items():
+            if len(by_offset) == 2 and sum(by_offset) == 0:
+                medians = {o: float(np.median(t)) for o, t in by_offset.items()}
+                mid = sum(medians.values()) / 2
+                for o, times in by_offset.items():
+                    samples[(op, batch, tokens, kv)] += [t - medians[o] + mid for t in times]
+            else:
+                for o, times in by_offset.items():
+                    samples[(op, batch, tokens + o, kv)] += times
+        return samples
+
     def table(self) -> list[OpPoint]:
+        samples = self.folded()
         if self.settings.chunk_kv:  # a chunk over no prefix is a prefill
             for n in self.settings.prefill_tokens:
-                key = ("attn_chunk", 0, n, 0)
-                self.samples[key] = list(self.samples[("attn_prefill", 0, n, 0)])
+                samples[("attn_chunk", 0, n, 0)] = list(samples[("attn_prefill", 0, n, 0)])
         pts, unit = [], self.unit_ms
-        for (op, batch, tokens, kv), times in sorted(self.samples.items()):
+        for (op, batch, tokens, kv), times in sorted(samples.items()):
             if op in SPLIT_OPS and not self.settings.prefill_pairs:
                 # without the pairs, attn_prefill_next has only the longest prompt's point
                 # (from batched prefills), which a curve would hold for every length, and

@@ -378,7 +378,8 @@ def test_a_slow_stretch_of_the_machine_hits_a_few_samples_of_a_shape(passes):
     begin = runner.begin
 
     def timed_begin(seqs, *args):
-        if not state["started"] and len(seqs) == 1 and seqs[0].num_new == 16:
+        # a prefill of 16 tokens is timed at 14 and 18 (16 -+ 16 // PREFILL_JITTER)
+        if not state["started"] and len(seqs) == 1 and seqs[0].num_new in (14, 18):
             state["started"], state["slow_left"] = True, 9
         state["slow"] = state["slow_left"] > 0
         state["slow_left"] -= state["slow"]
@@ -396,7 +397,65 @@ def test_a_slow_stretch_of_the_machine_hits_a_few_samples_of_a_shape(passes):
     prefill = {p.num_tokens: p.median_ms for p in points if p.op == "attn_prefill"}
     assert prefill[4] == pytest.approx(1000.0)
     assert prefill[16] == pytest.approx(3000.0 if passes == 1 else 1000.0)
-    assert len(profiler.samples[("attn_prefill", 0, 16, 0)]) == 9 * runner.num_layers
+    # 9 repeats of a jittered prefill: 5 pairs (in 3 passes: 2, 2 and 1)
+    assert len(profiler.folded()[("attn_prefill", 0, 16, 0)]) == 10 * runner.num_layers
+
+
+def test_a_prefill_is_timed_on_new_prompts_a_little_shorter_and_longer_and_folded_onto_n():
+    """A prefill shape of 16 tokens runs as a real run's prefills do: new sequences every time
+    (never rewound), alternately 14 and 18 tokens (16 -+ 16 // PREFILL_JITTER), the timed ones
+    in pairs; on a clock where a stage takes 0.1 s a token, the profile's point at 16 is the
+    midpoint of the two sides (1.6 s), its samples keep each side's spread, and a shape timed
+    on one side only keeps its samples at the length it ran."""
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    settings = Settings([4, 16], [1], [8], [1], warmup=1, repeats=3, passes=1,
+                        wake_idle_ms=())  # fmt: skip
+    profiler = Profiler(runner, settings, torch.device("cpu"))
+    state = {"now": 0.0, "tokens": 1}
+    begun, begin = [], runner.begin
+
+    def timed_begin(seqs, *args):
+        state["tokens"] = sum(s.num_new for s in seqs)
+        begun.append((seqs[0], seqs[0].num_cached, seqs[0].num_new))  # held: ids stay apart
+        return begin(seqs, *args)
+
+    def clock():
+        state["now"] += 100.0 * state["tokens"]  # ms, read as seconds x 1e3
+        return state["now"] / 1e3
+
+    runner.begin = timed_begin
+    profiler.clock.clock = clock
+    profiler.clock._call_mark = lambda: state["now"] / 1e3
+    begun.clear()
+    profiler.prefill(16)
+    # 1 warm-up (18) then 3 repeats rounded up to 2 pairs: 14, 18, 14, 18; new sequences
+    assert [(cached, new) for _, cached, new in begun] == [(0, 18), (0, 14), (0, 18), (0, 14),
+                                                           (0, 18)]  # fmt: skip
+    assert len({id(seq) for seq, _, _ in begun}) == 5
+    layers = runner.num_layers
+    assert profiler.jittered[("attn_prefill", 0, 16, 0, -2)] == [pytest.approx(1400.0)] * 2 * layers
+    assert profiler.jittered[("attn_prefill", 0, 16, 0, 2)] == [pytest.approx(1800.0)] * 2 * layers
+    assert not profiler.samples.get(("attn_prefill", 0, 16, 0))
+    assert profiler.folded()[("attn_prefill", 0, 16, 0)] == [pytest.approx(1600.0)] * 4 * layers
+    assert profiler.totals.keys() == {(0, 14, 0, 1), (0, 18, 0, 1)}  # self_check: as they ran
+    profiler.prefill(4)  # too short to jitter (4 // 8 = 0): 3 repeats at 4 tokens
+    assert [new for _, _, new in begun[5:]] == [4] * 4
+    points = {p.num_tokens: p.median_ms for p in profiler.table() if p.op == "attn_prefill"}
+    assert points == {4: pytest.approx(400.0), 16: pytest.approx(1600.0)}
+    # one side alone (a pass's pair cut short): no midpoint, its samples where they ran
+    del profiler.jittered[("attn_prefill", 0, 16, 0, 2)]
+    folded = profiler.folded()
+    assert ("attn_prefill", 0, 16, 0) not in folded
+    assert folded[("attn_prefill", 0, 14, 0)] == [pytest.approx(1400.0)] * 2 * layers
+
+
+def test_a_jittered_prefill_is_timed_in_whole_pairs_spread_over_the_passes():
+    settings = Settings([4], [1], [8], [1], repeats=18, passes=12, wake_idle_ms=())
+    assert [settings.pass_prefill_repeats(k) for k in range(12)] == [2] * 9 + [0] * 3
+    settings = Settings([4], [1], [8], [1], repeats=3, passes=3, wake_idle_ms=())
+    assert [settings.pass_prefill_repeats(k) for k in range(3)] == [2, 2, 0]
+    settings = Settings([4], [1], [8], [1], repeats=1, passes=1, wake_idle_ms=())
+    assert settings.pass_prefill_repeats(0) == 1  # one repeat: not jittered (Profiler.prefill)
 
 
 def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypatch):
@@ -837,8 +896,10 @@ def test_a_batched_prefill_files_its_router_and_experts_and_splits_its_attention
     prof = Profiler(runner, settings, torch.device("cpu"))
     prof.grid_pass()
     assert settings.num_iterations == 6  # 2 prompts, 2 pairs, 1 batch, 1 decode shape
-    assert begun.count((0, 0, 0, 12)) == 2  # its repeats (warmup=0: no warm-up)
-    assert begun.count((0, 0, 12)) == 2 and begun.count((0, 0, 4)) == 2  # the pairs
+    # its repeats (warmup=0: no warm-up), on new prompts of 12 -+ 12 // PREFILL_JITTER tokens
+    assert begun.count((0, 0, 0, 11)) == 1 and begun.count((0, 0, 0, 13)) == 1
+    assert begun.count((0, 0, 11)) == 1 and begun.count((0, 0, 13)) == 1  # the pairs
+    assert begun.count((0, 0, 4)) == 2  # too short to jitter
     prof.warm_up()  # the largest prefill first: the batch
     assert begun[-3] == (0, 0, 0, 12)
     points = prof.table()
@@ -852,12 +913,14 @@ def test_a_batched_prefill_files_its_router_and_experts_and_splits_its_attention
     assert {p.batch_size for p in points if p.op == "prepare_decode"} == {1}
     # 2 runs x layers stages each of the batch: one outer sample, one of the later calls' mean
     layers = runner.num_layers
-    assert len(prof.samples[("attn_prefill_outer", 0, 36, 0)]) == 2 * layers
-    assert len(prof.samples[("attn_prefill_next", 0, 12, 0)]) == 2 * 2 * layers  # pair, batch
+    # (folded onto the grid's lengths from 3 x 11 and 3 x 13 tokens)
+    folded = prof.folded()
+    assert len(folded[("attn_prefill_outer", 0, 36, 0)]) == 2 * layers
+    assert len(folded[("attn_prefill_next", 0, 12, 0)]) == 2 * 2 * layers  # pair, batch
     assert max(n for n, _ in prof.expert_samples) > 12  # more than one prompt's tokens
-    assert len(prof.totals[(0, 36, 0, 3)]) == 2
+    assert len(prof.totals[(0, 33, 0, 3)]) == len(prof.totals[(0, 39, 0, 3)]) == 1
     check = measure.build_profile(prof, info, "t", points).extra["self_check"]
-    row = next(r for r in check["shapes"] if r["tokens"] == 36)
+    row = next(r for r in check["shapes"] if r["tokens"] == 39)  # as it ran
     assert row["phase"] == "prefill" and row["batch_size"] == 3
     assert settings.prefill_batches == [3]  # 12 tokens: one prompt; 36 and 40: three
     with pytest.raises(measure.SettingsError, match="prefill_batch_tokens"):
