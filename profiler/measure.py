@@ -197,12 +197,13 @@ SPLIT_OPS = ("attn_prefill_outer", "attn_prefill_next")  # a prefill's attention
 # n // PREFILL_JITTER tokens a prompt, alternately, on new sequences every iteration
 # (``Profiler.prefill``): a run's prefills write new caches, and no two in a row have the same
 # lengths. Rewound and re-run at one length, as before 2026-12-04, a prefill's attention
-# stage ran 4-9% faster than so (3 prompts of 64 tokens against 48-80, new sequences each
-# time, paired iteration by iteration: tiny-mixtral 1.08x-1.11x, tiny-qwen2-moe 1.07x-1.10x;
-# one prompt 1.05x and 1.06x; new sequences of the same length 1.03x-1.06x), the other stages
+# stage ran faster than so: 3 new prompts of 48-80 tokens took 1.07x-1.11x its time at 64
+# rewound (tiny-mixtral, tiny-qwen2-moe, paired iteration by iteration; one prompt 1.05x and
+# 1.06x; new sequences of 64 1.03x-1.06x; 56 and 72 in turn 1.06x-1.07x), the other stages
 # within 1-4%; and in the real runs the prefills of 2-8 prompts ran 1.06x-1.09x their
 # prediction over the host-speed probe on four presets of the curated `make validate`
-# (2026-12-03 18:33; 0.99x-1.01x on tiny-olmoe).
+# (2026-12-03 18:33; 0.99x-1.01x on tiny-olmoe), 1.01x-1.09x in the two runs after the change
+# (22:16, 23:05).
 PREFILL_JITTER = 8
 
 
