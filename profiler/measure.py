@@ -196,7 +196,7 @@ SPLIT_OPS = ("attn_prefill_outer", "attn_prefill_next")  # a prefill's attention
 # A prefill shape of n tokens a prompt is timed at n - n // PREFILL_JITTER and n +
 # n // PREFILL_JITTER tokens a prompt, alternately, on new sequences every iteration
 # (``Profiler.prefill``): a run's prefills write new caches, and no two in a row have the same
-# lengths. Rewound and re-run at one length, as before 2026-12-04, a prefill's attention
+# lengths. Rewound and re-run at one length, as up to 2026-12-03, a prefill's attention
 # stage ran faster than so: 3 new prompts of 48-80 tokens took 1.07x-1.11x its time at 64
 # rewound (tiny-mixtral, tiny-qwen2-moe, paired iteration by iteration; one prompt 1.05x and
 # 1.06x; new sequences of 64 1.03x-1.06x; 56 and 72 in turn 1.06x-1.07x), the other stages
@@ -529,8 +529,8 @@ class Profiler:
         # a jittered prefill's samples (``prefill``): (op, batch_size, num_tokens on the grid,
         # kv_tokens, the tokens' offset from it) -> stage times; ``table`` folds them
         self.jittered: dict[tuple[str, int, int, int, int], list[float]] = defaultdict(list)
-        # the shapes (``totals``' keys) that a jittered prefill ran: each length on alternate
-        # passes only (``pass_speeds`` leaves them out)
+        # the shapes (``totals``' keys) that a jittered prefill ran: each length in the passes
+        # its pairs fell in, not all (``pass_speeds`` leaves them out)
         self.jittered_shapes: set[tuple[int, int, int, int]] = set()
         self.passes_done = 0
         # (batch, num_tokens, kv, sequences) -> every timed iteration's total (ms):
@@ -881,8 +881,8 @@ class Profiler:
         each one's total over the median of its shape's repeats in every pass. How fast the
         machine ran pass by pass against the whole profile (1.1: 10% slower); passes with
         other work between them (the validation's rounds of real runs) show its drift. The
-        jittered prefills' shapes are left out: one that ran on alternate passes only has no
-        median of every pass to be read against."""
+        jittered prefills' shapes are left out: their pairs fall in some passes only (9 of 12
+        in the validation's profile), so they have no median of every pass to be read against."""
         ratios: dict[int, list[float]] = defaultdict(list)
         for key, stored in self.totals.items():  # as timed (not in probe steps)
             if key in self.jittered_shapes:
