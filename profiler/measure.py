@@ -406,12 +406,12 @@ def self_check(profile: Profile, totals: dict[tuple[int, int, int, int], list[fl
     from the profile, interference applied; no engine_host, which these iterations do not
     have) is from the profile's own timed iterations: for each shape in ``totals``
     (``Profiler.totals``, keyed (batch, tokens, kv, sequences): a prefill of k prompts of n
-    tokens each is (0, k n, 0, k), a decode batch (B, B, kv, B) with ``decode_lengths``
-    contexts), its predicted mean iteration (over ``draws`` routing draws)
-    against the mean of its repeats. No real run's noise enters: an error here is the model's
-    own way of adding op times up (which is how a prefill's routing of independent tokens was
-    found 27% long). Returns the shapes' rows and, per phase, the median and the worst error
-    (signed, %)."""
+    tokens each, as it ran (n -+ n // PREFILL_JITTER), is (0, k n, 0, k), a decode batch (B,
+    B, kv, B) with ``decode_lengths`` contexts), its predicted mean iteration (over
+    ``draws`` routing draws) against the mean of its repeats. No real run's noise enters: an
+    error here is the model's own way of adding op times up (which is how a prefill's
+    routing of independent tokens was found 27% long). Returns the shapes' rows and, per
+    phase, the median and the worst error (signed, %)."""
     from policies.core import BE, Batch, Phase, Request, Sequence
     from sim.latency import LatencyModel, RoutingModel
 
