@@ -27,6 +27,8 @@ def check(cfg: DictConfig) -> None:
         ("threads", cfg.threads is None or (isinstance(cfg.threads, int) and cfg.threads >= 1),
          "must be an integer >= 1 or null"),
         ("warmup", isinstance(cfg.warmup, int) and cfg.warmup >= 0, "must be an integer >= 0"),
+        ("decode_warmup", isinstance(cfg.decode_warmup, int) and cfg.decode_warmup >= 0,
+         "must be an integer >= 0"),
         ("repeats", isinstance(cfg.repeats, int) and cfg.repeats >= 1, "must be an integer >= 1"),
         ("clock", cfg.clock in ("wall", "process"), "must be wall or process"),
         ("device", cfg.device in ("auto", "cpu") or str(cfg.device).startswith("cuda"),

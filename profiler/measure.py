@@ -205,6 +205,17 @@ SPLIT_OPS = ("attn_prefill_outer", "attn_prefill_next")  # a prefill's attention
 # (2026-12-03 18:33; 0.99x-1.01x on tiny-olmoe), 1.01x-1.09x in the two runs after the change
 # (22:16, 23:05).
 PREFILL_JITTER = 8
+# A decode shape's sequences are prefilled right before its steps (``Profiler.decode``), and
+# the steps right after a prefill run slower than a run's steps in a row: in the real runs of
+# the curated `make validate` (2026-12-03 22:16; 3 or more steps after an idle gap), a decode
+# step of one sequence right after a prefill took 1.02x its prediction over the host-speed
+# probe, one after another decode step 0.96x (2-4 sequences: 1.02x and 0.99x; 5-16: 1.02x and
+# 1.02x). Paired in one process (80-150
+# rounds, kv 64), the profile's step after one untimed step took 1.04x-1.07x a step of a
+# sequence 4 steps into its decoding (one sequence: tiny-qwen2-moe 1.04x, tiny-mixtral 1.05x,
+# tiny-olmoe 1.07x; 4 and 16 of tiny-qwen2-moe 1.04x, 1.02x), after 3 untimed 0.98x-1.05x, after
+# 6 0.98x-1.03x (2026-12-04). The default of ``Settings.decode_warmup``.
+DECODE_WARMUP = 3
 
 
 @dataclass
@@ -214,6 +225,10 @@ class Settings:
     decode_kv: list[int]
     expert_tokens: list[int]
     warmup: int = 2
+    # untimed steps of a decode shape after its sequences' prefill, before its timed ones
+    # (``Profiler.decode``): the steps right after a prefill run slower than a run's steps
+    # in a row, and one untimed step does not take all of it out (DECODE_WARMUP)
+    decode_warmup: int = 3
     repeats: int = 10
     clock: str = "wall"
     routing_prompts: int = 8
@@ -242,6 +257,7 @@ class Settings:
         out = cls(
             **{k: sorted(set(int_list(f"grid.{k}", grid[k]))) for k in GRID_KEYS},
             warmup=setting_int("warmup", cfg["warmup"]),
+            decode_warmup=setting_int("decode_warmup", cfg.get("decode_warmup", DECODE_WARMUP)),
             repeats=setting_int("repeats", cfg["repeats"]),
             clock=str(cfg["clock"]),
             routing_prompts=setting_int("routing.prompts", routing["prompts"]),
@@ -274,6 +290,8 @@ class Settings:
                 raise SettingsError(f"grid.{key} must be a non-empty list of integers >= 1")
         if self.repeats < 1 or self.warmup < 0:
             raise SettingsError("repeats must be >= 1 and warmup >= 0")
+        if self.decode_warmup < 0:
+            raise SettingsError(f"decode_warmup={self.decode_warmup}: must be >= 0")
         if self.passes < 1:
             raise SettingsError(f"passes={self.passes}: must be >= 1")
         self.passes = min(self.passes, self.repeats)  # a pass has a repeat at least
@@ -551,21 +569,22 @@ class Profiler:
         return [self.runner.new_sequence(self.random_ids(n)) for n in lengths]
 
     def repeat(
-        self, seqs: list[KVSequence], repeats: int | None = None
+        self, seqs: list[KVSequence], repeats: int | None = None, warmup: int | None = None
     ) -> list[tuple[float, list[StageTime]]]:
-        """``repeats`` timed runs of one iteration of ``seqs`` (after ``warmup`` untimed),
-        rewinding the sequences after each and feeding new random tokens the next time: a
-        real step feeds a token never fed before, which routes to other experts than the last
-        step's. Re-fed, the same token takes the same experts, still in the caches: on this
-        project's VM a decode step of one sequence ran 3-4% faster so (tiny-olmoe,
-        tiny-qwen2-moe, tiny-mixtral; no difference from 4 sequences on). ``repeats``: by
-        default the settings'."""
+        """``repeats`` timed runs of one iteration of ``seqs`` (after ``warmup`` untimed: by
+        default the settings'), rewinding the sequences after each and feeding new random
+        tokens the next time: a real step feeds a token never fed before, which routes to
+        other experts than the last step's. Re-fed, the same token takes the same experts,
+        still in the caches: on this project's VM a decode step of one sequence ran 3-4%
+        faster so (tiny-olmoe, tiny-qwen2-moe, tiny-mixtral; no difference from 4 sequences
+        on). ``repeats``: by default the settings'."""
         repeats = self.settings.repeats if repeats is None else repeats
+        warmup = self.settings.warmup if warmup is None else warmup
         marks = [(len(s.token_ids), s.num_cached) for s in seqs]
         runs = []
-        for i in range(self.settings.warmup + repeats):
+        for i in range(warmup + repeats):
             run = self.clock.iteration(self.runner, seqs)
-            if i >= self.settings.warmup:
+            if i >= warmup:
                 runs.append(run)
             for s, (n, c) in zip(seqs, marks, strict=True):
                 s.truncate(n, c)
@@ -674,9 +693,11 @@ class Profiler:
         # Contexts spread from kv/2 up to kv: in a real decode batch they differ, and the runner
         # then pads them to the longest (the latency model reads attn_decode at the max), a
         # path that equal lengths would skip.
+        # Their prefill, then decode_warmup untimed steps (DECODE_WARMUP), then the timed ones.
         seqs = self.prompts(decode_lengths(batch, kv))
         self.runner.run(self.runner.begin(seqs))  # the prefill: kv cached, one token to feed
-        self.record(self.repeat(seqs, repeats), num_tokens=batch, batch=batch, kv=kv)
+        runs = self.repeat(seqs, repeats, warmup=self.settings.decode_warmup)
+        self.record(runs, num_tokens=batch, batch=batch, kv=kv)
         self.bind(seqs, repeats)
 
     def bind(self, seqs: list[KVSequence], repeats: int | None = None) -> None:

@@ -124,6 +124,11 @@ def check(cfg: DictConfig) -> None:
             covering_grid(OmegaConf.to_container(cfg.profile.grid), 0, 0, 0)
         except SettingsError as e:
             raise UserError(f"profile.{e}") from None
+        for key, least in (("warmup", 0), ("decode_warmup", 0), ("repeats", 1)):
+            value = cfg.profile.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < least):  # fmt: skip
+                raise UserError(f"profile.{key}={value}: must be an integer >= {least}")
         passes_per_round(cfg)
 
 

@@ -41,6 +41,7 @@ SMALL = [
     "grid.chunk_kv=[8]",
     "grid.prefill_batch_tokens=[8,32,40]",  # 16-token prompts: 2 of them (and 1: skipped)
     "warmup=0",
+    "decode_warmup=0",
     "repeats=1",
     "routing.prompts=2",
     "routing.prompt_tokens=8",
@@ -95,7 +96,7 @@ def test_console_script_writes_a_loadable_profile(tmp_path):
     if not script.exists():
         pytest.skip("qllm-profile is not installed in this venv: run `make venv`")
     # warm-up and repeats here: the profile must be sane enough to drive the simulator
-    grid = [o for o in SMALL if not o.startswith(("warmup=", "repeats="))] + [
+    grid = [o for o in SMALL if not o.startswith(("warmup=", "decode_warmup=", "repeats="))] + [
         "warmup=2",
         "repeats=5",
     ]
@@ -354,6 +355,40 @@ def test_each_repeat_feeds_new_tokens_over_the_same_cache():
     assert len(set(fed)) == 7  # a new pair of tokens every time
     assert [s.token_ids[: s.num_cached] for s in seqs] == cached
     assert [(len(s.token_ids), s.num_cached) for s in seqs] == [(10, 9), (6, 5)]
+
+
+@pytest.mark.parametrize("decode_warmup", [0, 2])
+def test_a_decode_shape_is_timed_decode_warmup_steps_after_its_prefill(decode_warmup):
+    """A decode shape's sequences are prefilled right before its steps, and the steps right
+    after a prefill run slower than a run's steps in a row: on a clock where every stage of
+    the first 2 decode steps after a prefill takes 5 s (1 s otherwise), the shape's timed steps
+    come after ``decode_warmup`` untimed ones: all at 1 s with 2, the first two at 5 s with 0."""
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    settings = Settings([4], [1], [8], [1], warmup=0, decode_warmup=decode_warmup, repeats=3,
+                        passes=1, wake_idle_ms=(), prefill_pairs=False)  # fmt: skip
+    profiler = Profiler(runner, settings, torch.device("cpu"))
+    state = {"now": 0.0, "since_prefill": 0}
+    begin = runner.begin
+
+    def timed_begin(seqs, *args):
+        prefill = any(s.num_new > 1 for s in seqs)
+        state["since_prefill"] = 0 if prefill else state["since_prefill"] + 1
+        return begin(seqs, *args)
+
+    def clock():
+        state["now"] += 5.0 if 1 <= state["since_prefill"] <= 2 else 1.0
+        return state["now"]
+
+    runner.begin = timed_begin
+    profiler.clock.clock = clock
+    profiler.clock._call_mark = lambda: state["now"]
+    profiler.points(progress=False)
+    slow = [1, 1, 1] if decode_warmup == 2 else [5, 5, 1]  # each timed step's slowdown
+    attention = profiler.samples[("attn_decode", 1, 0, 8)]  # one a layer, a step's in turn
+    assert attention == [1000.0 * k for k in slow for _ in range(runner.num_layers)]
+    assert profiler.totals[(1, 1, 8, 1)] == [1000.0 * k * runner.num_stages for k in slow]
+    with pytest.raises(measure.SettingsError, match="decode_warmup=-1"):
+        Settings([4], [1], [8], [1], decode_warmup=-1).validate()
 
 
 def test_repeats_are_split_over_the_passes():
