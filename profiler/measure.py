@@ -57,32 +57,47 @@ than inside an iteration, where the rest of the model streamed through the cache
   attention stages are filed (router and experts see n tokens, as in a prefill of n).
   ``attn_chunk(n, 0)`` is ``attn_prefill(n)``'s samples: a chunk over no prefix is a prefill;
 - ``wake_up(idle_ms, busy_ms)``: for each idle time of ``wake.idle_ms``, ``wake.repeats``
-  times: decode steps of one sequence, as many as take ``WAKE_WINDOW_MS`` warm, back to back
-  untimed (so that the last sample's slow-down is over and the device is busy when the gap
-  starts), then the device left idle that long, then the same steps again, each timed. A
-  step's excess is its time over the median of the window's second half, by then warm: a
-  reference taken right after the slow-down, not from a window before the gap, because on a
-  shared machine a whole 100 ms window runs up to 20% faster or slower than the one before
-  it, and summed over the window that drift swamped a wake-up of 1-2 ms (tiny-olmoe's
-  profile read 0 to 11.6 ms at 50 ms of idle time in three runs; this estimator, 1.0-3.5 ms).
-  The excess is read in bins of steps (``WAKE_BINS``: the first four steps one by one, then
-  4-7, 8-15, 16-31, within the first half): per bin, the median over the repeats of
-  each one's mean excess over the bin's steps. The slow-down ends at the first bin within the
-  noise (the 90th percentile of the per-step median excess over the second half's steps,
-  which are warm, over the square root of the bin's steps): it fades, it does not come back.
-  Bins keep a tail of a few percent over 25 steps that a step alone is too noisy to show (in
-  episodes in random order on this VM, steps 5-25 after 150 ms of sleep ran 1.5-10.5%
-  slower than after none; a cut at the first step within the noise, the estimator before,
-  dropped it after 2-4 steps). A point per step boundary k of
-  ``WAKE_POINTS`` and the last: busy_ms the warm time of the first k steps, the value the
-  summed excess of the steps after k: busy_ms = 0 holds the whole wake-up; p90 the 90th
-  percentile of the repeats' own sums over the same steps. A slow-down that outlasts half
-  the window is under-counted. On the profile's CPU clock (on CUDA, wall clock, the device
-  synchronised after each step, as the engine reads its tokens). A CPU's cores and a GPU's
-  clocks slow down when idle (an idle H200 drops to 345 MHz): the first iterations after a
-  gap run slower; on this project's 2-core VM the first decode step of a tiny model after
-  10-200 ms of idle time ran 1.2-2.2 ms (40-70%) slower, the next ones 0-0.5 ms. The raw
-  step times are kept (``Profiler.wake_samples``, profile.json ``extra.wake_samples``).
+  times, spread over the passes (``Settings.pass_wake_repeats``: measured after the last
+  pass only, as up to 2026-12-04, the wake-up was that stretch's: in a `make validate` at
+  06:00 that day, tiny-qwen3-moe's first step after 1 s of idle time ran 17-25 ms over its
+  warm steps in all 9 repeats, 5.8-9.6 ms after 200 ms, where the first prefills of its real
+  runs after gaps of 0.2-1 s ran 0.8 ms over their prediction on average): a window of a
+  run's work after an idle gap (``Profiler._wake_window``: a prefill of a
+  new prompt of ``wake.prompt_tokens``, decode steps of it, as many as take
+  ``WAKE_WINDOW_MS`` warm, each feeding the token the last one chose, then a prefill of
+  another such prompt) run back to back untimed (so that the last sample's slow-down is over
+  and the device is busy when the gap starts), then the device left idle that long, then
+  such a window again, each iteration timed. A step's excess is its time over the median of
+  the window's second half, by then warm, and the first prefill's its time over the last
+  one's: a reference taken right after the slow-down, not from a window before the gap,
+  because on a shared machine a whole 100 ms window runs up to 20% faster or slower than the
+  one before it, and summed over the window that drift swamped a wake-up of 1-2 ms
+  (tiny-olmoe's profile read 0 to 11.6 ms at 50 ms of idle time in three runs; this
+  estimator, 1.0-3.5 ms). A run's first iteration after a gap is a prefill (the engine
+  idles only when no request is left): timed on decode steps of one sequence re-fed one
+  token, as up to 2026-12-04, the wake-up was charged 1.5x-2.2x what the real runs' first
+  prefills after a gap of under 1 s showed (the curated validation of 2026-12-03 22:16: 1.3-3.0
+  ms against 0.65-1.7 ms, per preset), and the decode step after it 0-0.15 ms against
+  0.1-0.6 ms. The excess is read in bins (``WAKE_BINS``: the first four iterations one by
+  one, then 4-7, 8-15, 16-31, within the first half of the steps): per bin, the median over
+  the repeats of each one's mean excess over the bin's iterations. The slow-down ends at the
+  first bin within the noise (the 90th percentile of the per-step median excess over the
+  second half's steps, which are warm, over the square root of the bin's steps): it fades,
+  it does not come back. Bins keep a tail of a few percent over 25 steps that a step alone
+  is too noisy to show (in episodes in random order on this VM, steps 5-25 after 150 ms of
+  sleep ran 1.5-10.5% slower than after none; a cut at the first step within the noise, the
+  estimator before, dropped it after 2-4 steps). A point per boundary k of ``WAKE_POINTS``
+  and the last: busy_ms the warm time of the first k iterations (the prefill's, then the
+  steps'), the value the summed excess of the iterations after k: busy_ms = 0 holds the
+  whole wake-up; p90 the 90th percentile of the repeats' own sums over the same iterations. A
+  slow-down that outlasts half the window is under-counted. On the profile's CPU clock (on
+  CUDA, wall clock, the device synchronised after each iteration, as the engine reads its
+  tokens). A CPU's cores and a GPU's clocks slow down when idle (an idle H200 drops to 345
+  MHz): the first iterations after a gap run slower; on this project's 2-core VM the first
+  decode step of a tiny model after 10-200 ms of idle time ran 1.2-2.2 ms (40-70%) slower,
+  the next ones 0-0.5 ms. The raw times are kept (``Profiler.wake_samples``, profile.json
+  ``extra.wake_samples``: a row per window, [prefill, steps, prefill]; profiles before
+  2026-12-04 hold steps only).
 
 Each iteration runs ``warmup`` + ``repeats`` times (a decode or chunk's sequences rewound in
 between; a prefill's on new sequences, alternately n // ``PREFILL_JITTER`` tokens a prompt
@@ -151,22 +166,33 @@ def wake_steps(warm_step_ms: float) -> int:
     return min(max(math.ceil(WAKE_WINDOW_MS / max(warm_step_ms, 1e-9)), low), high)
 
 
-def wake_curve(idle_ms: int, times_ms: np.ndarray) -> list[OpPoint]:
+def wake_curve(idle_ms: int, times_ms: np.ndarray,
+               first_ms: np.ndarray | None = None) -> list[OpPoint]:  # fmt: skip
     """The ``wake_up`` points at one idle time from the step times (ms) of each repeat's
     window after the gap (a row each): excess over the median of the row's second half, read
     in ``WAKE_BINS`` within the first half (per bin, the median over the rows of each row's
     mean excess over the bin's steps), up to the first bin within the noise (the 90th
     percentile of the second half's per-step median excess, over the square root of the
-    bin's steps); a point at each of WAKE_POINTS below the window's length and at its end."""
+    bin's steps); a point at each of WAKE_POINTS below the window's length and at its end.
+    ``first_ms`` (a row of two per window): the window's first iteration, a prefill, before
+    those steps, and the same prefill again at the window's end, warm: it is then the
+    curve's first step, its excess the first over the second (the windows of
+    ``Profiler.wake_points``; without it, a window of decode steps alone)."""
     steps = times_ms.shape[1]
     half = steps // 2
     warm = np.median(times_ms[:, half:], axis=1, keepdims=True)
     excess = times_ms - warm
     # the noise of a step's median: what the warm steps' medians show, whose excess is none
     floor = float(np.percentile(np.abs(np.median(excess[:, half:], axis=0)), 90))
+    lead, warm_first = 0, 0.0  # the prefill before the steps: a column of its own
+    if first_ms is not None:
+        first = np.asarray(first_ms, dtype=float)
+        excess = np.concatenate([first[:, :1] - first[:, 1:2], excess], axis=1)
+        lead, warm_first = 1, float(np.median(first[:, 1]))
+    steps += lead
     med, rows = np.zeros(steps), np.zeros_like(excess)  # per step: the bin's excess
     for lo, hi in WAKE_BINS:
-        hi = min(hi, half)
+        hi = min(hi, half + lead)
         if lo >= hi:
             break
         each = excess[:, lo:hi].mean(axis=1, keepdims=True)
@@ -180,7 +206,9 @@ def wake_curve(idle_ms: int, times_ms: np.ndarray) -> list[OpPoint]:
                                np.zeros(x.shape[:-1] + (1,))], axis=-1)  # fmt: skip
 
     kept = [k for k in WAKE_POINTS if k < steps] + [steps]
-    busy = float(np.median(warm)) * np.array(kept, dtype=float)
+    # busy: the warm time of the first k iterations (the prefill's, then k - 1 steps')
+    busy = np.array([warm_first * min(k, lead) + float(np.median(warm)) * max(k - lead, 0)
+                     for k in kept])  # fmt: skip
     value = left(med)[kept]
     p90 = np.maximum(np.percentile(left(rows), 90, axis=0)[kept], value)
     return [OpPoint("wake_up", median_ms=float(m), p90_ms=float(p), idle_ms=idle_ms,
@@ -236,6 +264,8 @@ class Settings:
     seed: int = 0
     wake_idle_ms: tuple[int, ...] = (2, 10, 50, 200, 1000)  # empty: no wake_up op
     wake_repeats: int = 9
+    # the prompt of each wake-up window's first iteration, a prefill (``wake_points``)
+    wake_prompt_tokens: int = 64
     chunk_kv: tuple[int, ...] = ()  # cached prefixes under each chunk; empty: no attn_chunk
     # batched prefills of about this many tokens (``prefill_batches``); empty: none
     prefill_batch_tokens: tuple[int, ...] = ()
@@ -280,6 +310,8 @@ class Settings:
         if wake is not None:
             out.wake_idle_ms = tuple(sorted(set(int_list("wake.idle_ms", wake["idle_ms"]))))
             out.wake_repeats = setting_int("wake.repeats", wake["repeats"])
+            out.wake_prompt_tokens = setting_int("wake.prompt_tokens",
+                                                 wake.get("prompt_tokens", 64))  # fmt: skip
         out.validate()
         return out
 
@@ -305,6 +337,8 @@ class Settings:
             raise SettingsError("grid.prefill_batch_tokens must be integers >= 1 (or empty)")
         if self.wake_idle_ms and (min(self.wake_idle_ms) < 1 or self.wake_repeats < 1):
             raise SettingsError("wake.idle_ms must be integers >= 1 and wake.repeats >= 1")
+        if self.wake_prompt_tokens < 1:
+            raise SettingsError(f"wake.prompt_tokens={self.wake_prompt_tokens}: must be >= 1")
 
     def pass_repeats(self, k: int) -> int:
         """The repeats of pass k (0-based): ``repeats`` split as evenly as ``passes`` allow."""
@@ -319,6 +353,12 @@ class Settings:
             return self.pass_repeats(k)
         pairs = -(-self.repeats // 2)
         return 2 * (pairs // self.passes + (k < pairs % self.passes))
+
+    def pass_wake_repeats(self, k: int) -> int:
+        """The wake-up's repeats in pass k (``Profiler.grid_pass``): ``wake_repeats`` spread
+        as evenly as ``passes`` allow (9 over 12: passes 1-3, 5-7 and 9-11), so that they
+        sample the machine's whole stretch, as the shapes do."""
+        return (k + 1) * self.wake_repeats // self.passes - k * self.wake_repeats // self.passes
 
     @property
     def num_iterations(self) -> int:
@@ -560,6 +600,8 @@ class Profiler:
         # idle ms -> each repeat's step times (ms) after the gap: the wake-up's raw samples,
         # kept in profile.json (extra.wake_samples) so that its curve can be re-derived
         self.wake_samples: dict[int, list[list[float]]] = {}
+        self.wake_runs: dict[int, list[np.ndarray]] = defaultdict(list)  # windows after a gap
+        self.wake_window_steps: int | None = None  # the decode steps of a window (_wake_repeat)
 
     def random_ids(self, n: int) -> list[int]:
         vocab = self.runner.config.vocab_size
@@ -760,6 +802,9 @@ class Profiler:
                 before = self._visit(run, before)
             if bar is not None:
                 bar.update()
+        if s.wake_idle_ms:
+            for _ in range(s.pass_wake_repeats(self.passes_done)):
+                self._wake_repeat()
         self.passes_done += 1
 
     def _probe(self) -> float:
@@ -849,25 +894,64 @@ class Profiler:
             times.append(clock())
         return np.diff(times)
 
+    def _wake_window(self, steps: int) -> np.ndarray:
+        """One wake-up window, as a run's work after an idle gap: a prefill of a new prompt
+        of ``wake_prompt_tokens``, ``steps`` decode steps of it, then a prefill of another
+        such prompt, warm by then. The steps are rewound and fed a new random token each time
+        (as ``repeat``), so that they are alike: fed the token the last one chose, a
+        random-weight model soon repeats a few tokens, whose experts stay in the caches, and
+        the window's second half ran faster than its first steps for that alone. Milliseconds
+        of each on the profile's clock (on CUDA, wall: the runner returns the tokens, so the
+        device has finished): [prefill, step 1, ..., step n, prefill]."""
+        clock = time.perf_counter if self.clock.cuda else self.clock.clock
+        first, last = self.prompts([self.settings.wake_prompt_tokens] * 2)
+        times = []
+
+        def timed(seq: KVSequence) -> None:
+            start = clock()
+            self.runner.run(self.runner.begin([seq]))
+            times.append(clock() - start)
+
+        timed(first)  # its prefill: one token to feed
+        n, c = len(first.token_ids), first.num_cached
+        for _ in range(steps):
+            timed(first)
+            first.truncate(n, c)
+            first.token_ids[c:] = self.random_ids(n - c)
+        timed(last)
+        return 1e3 * np.array(times)
+
+    def _wake_repeat(self) -> None:
+        """One repeat of the wake-up (``wake_runs``): for each idle time in turn (interleaved:
+        drifts hit them alike), a window untimed (busy, and past the last one's slow-down),
+        the device idle that long, a window timed. The first call sizes the windows: decode
+        steps that take ``WAKE_WINDOW_MS`` warm."""
+        s = self.settings
+        if self.wake_window_steps is None:
+            seqs = self.prompts([s.wake_prompt_tokens])
+            self.runner.run(self.runner.begin(seqs))  # the prefill: one token left to feed
+            warm_ms = 1e3 * float(np.median(self._steps_s(seqs, WAKE_STEPS_RANGE[0] * 4)))
+            self.wake_window_steps = wake_steps(warm_ms)
+        for idle_ms in s.wake_idle_ms:
+            self._wake_window(self.wake_window_steps)
+            time.sleep(idle_ms / 1e3)
+            self.wake_runs[idle_ms].append(self._wake_window(self.wake_window_steps))
+
     def wake_points(self) -> list[OpPoint]:
-        """``wake_up`` at each idle time (module docstring); none when wake.idle_ms is empty."""
+        """``wake_up`` at each idle time (module docstring), from the repeats the passes ran
+        and those still to run (all of them before any pass); none when wake.idle_ms is
+        empty."""
         s = self.settings
         if not s.wake_idle_ms:
             return []
-        seqs = self.prompts([min(s.decode_kv)])
-        self.runner.run(self.runner.begin(seqs))  # the prefill: one token left to feed
-        steps = wake_steps(1e3 * float(np.median(self._steps_s(seqs, WAKE_STEPS_RANGE[0] * 4))))
-        # per idle time: each repeat's step times (ms) after the gap
-        runs: dict[int, list[np.ndarray]] = defaultdict(list)
-        for _ in range(s.wake_repeats):  # the idle times interleaved: drifts hit them alike
-            for idle_ms in s.wake_idle_ms:
-                self._steps_s(seqs, steps)  # busy, and past the last sample's slow-down
-                time.sleep(idle_ms / 1e3)
-                runs[idle_ms].append(1e3 * self._steps_s(seqs, steps))
+        done = min((len(self.wake_runs[idle_ms]) for idle_ms in s.wake_idle_ms), default=0)
+        for _ in range(s.wake_repeats - done):
+            self._wake_repeat()
         points = [OpPoint("wake_up", idle_ms=0)]
-        for idle_ms, samples in sorted(runs.items()):
-            points += wake_curve(idle_ms, np.array(samples))
-            self.wake_samples[idle_ms] = [[round(float(t), 4) for t in row] for row in samples]
+        for idle_ms, windows in sorted(self.wake_runs.items()):
+            rows = np.array(windows)
+            points += wake_curve(idle_ms, rows[:, 1:-1], rows[:, [0, -1]])
+            self.wake_samples[idle_ms] = [[round(float(t), 4) for t in row] for row in rows]
         return points
 
     def interference(self) -> float:

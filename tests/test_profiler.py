@@ -494,13 +494,21 @@ def test_a_jittered_prefill_is_timed_in_whole_pairs_spread_over_the_passes():
 
 
 def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypatch):
-    """On a clock of its own (deterministic): a device whose step takes 1 ms, and 40 ms more
-    on the first step and 10 ms more on the second once it sat idle 50 ms or more. The
-    profiler measures, at 150 ms of idle time, 50 ms left after no work, 10 ms after one step's
-    (1 ms), none after two; none at 2 ms of idle time; 0 at 0."""
+    """On a clock of its own (deterministic): a device whose iteration takes 1 ms, and 40 ms
+    more on the first and 10 ms more on the second once it sat idle 50 ms or more. Each window
+    after a gap is a run's work after one: a prefill of a new prompt of wake.prompt_tokens,
+    decode steps of it (its context growing), then a prefill of another prompt. The profiler
+    measures, at 150 ms of idle time, 50 ms left after no work, 10 ms after the prefill's (1
+    ms), none after a step more; none at 2 ms of idle time; 0 at 0."""
     runner = ModelRunner(build_model("tiny-mixtral")[0])
     clock = {"now": 0.0, "last": 0.0, "cold": []}
     run_steps = runner.run
+    begun = []  # (sequence, tokens fed, cached) of every iteration begun
+    begin = runner.begin
+    fed = []  # the last token of every iteration begun
+    monkeypatch.setattr(runner, "begin", lambda seqs: begun.append(
+        (seqs[0], seqs[0].num_new, seqs[0].num_cached)) or fed.append(seqs[0].token_ids[-1])
+        or begin(seqs))  # fmt: skip
 
     def run(state):
         out = run_steps(state)
@@ -515,7 +523,8 @@ def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypa
 
     monkeypatch.setattr(runner, "run", run)
     monkeypatch.setattr(measure, "time", SimpleNamespace(sleep=sleep))
-    settings = Settings([4], [1], [8], [1], wake_idle_ms=(2, 150), wake_repeats=3)
+    settings = Settings([4], [1], [8], [1], wake_idle_ms=(2, 150), wake_repeats=3,
+                        wake_prompt_tokens=12)  # fmt: skip
     profiler = Profiler(runner, settings, torch.device("cpu"))
     profiler.clock.clock = lambda: clock["now"]  # the profile's CPU clock, wall or process
     rows = defaultdict(list)
@@ -526,7 +535,13 @@ def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypa
     # 1 ms steps: the window's 100 ms is more steps than the most (64); a point at each kept k
     steps = measure.wake_steps(1.0)
     assert steps == measure.WAKE_STEPS_RANGE[1] == 64
-    kept = [*measure.WAKE_POINTS, steps]
+    window = begun[-(steps + 2) :]  # the last window: a prefill, its steps, another prefill
+    first, last = window[0][0], window[-1][0]
+    decode = [(1, 12)] * steps  # one token over the prompt, rewound after each step
+    assert [(n, c) for _, n, c in window] == [(12, 0), *decode, (12, 0)]
+    assert all(seq is first for seq, _, _ in window[:-1]) and last is not first
+    assert len(set(fed[-(steps + 1) : -1])) > steps // 2  # a new random token each step
+    kept = [*measure.WAKE_POINTS, steps + 1]  # the prefill, then the steps
     assert [b for b, _, _ in rows[150]] == pytest.approx(kept)
     n = len(kept)
     assert [m for _, m, _ in rows[150]] == pytest.approx([50, 10] + [0] * (n - 2), abs=1e-6)
@@ -573,9 +588,10 @@ def test_a_window_that_runs_slower_as_a_whole_is_drift_not_a_wake_up(monkeypatch
         assert curves[idle_ms][3] == pytest.approx(2.0)
         assert curves[idle_ms][8] == pytest.approx(0.0, abs=1e-9)
         # the raw samples are kept (profile.json: extra.wake_samples): the curve again
-        samples = np.array(profiler.wake_samples[idle_ms])
-        assert samples.shape == (3, measure.wake_steps(1.0))
-        again = {round(p.busy_ms, 6): p.median_ms for p in measure.wake_curve(idle_ms, samples)}
+        samples = np.array(profiler.wake_samples[idle_ms])  # [prefill, steps, prefill] rows
+        assert samples.shape == (3, measure.wake_steps(1.0) + 2)
+        again = {round(p.busy_ms, 6): p.median_ms for p in
+                 measure.wake_curve(idle_ms, samples[:, 1:-1], samples[:, [0, -1]])}  # fmt: skip
         assert again == pytest.approx(curves[idle_ms])
 
 
@@ -595,6 +611,56 @@ def test_a_slow_down_ends_at_the_first_step_that_is_not_slower():
     # a first step no slower than the warm ones: no wake-up at all
     flat = measure.wake_curve(50, np.ones((3, 8)) + np.array([0, 0.5, 0, 0, 0, 0, 0, 0]))
     assert [p.median_ms for p in flat] == [0.0] * 7
+
+
+def test_the_wake_ups_repeats_are_spread_over_the_passes(monkeypatch):
+    """Measured after the last pass only, the wake-up was that stretch's of the machine (one
+    run read 17-25 ms after 1 s of idle time where the real runs showed about 1): its repeats
+    run in the passes, spread as evenly as they allow, and ``wake_points`` runs only those
+    left (all of them before any pass)."""
+    settings = Settings([4], [1], [8], [1], repeats=18, passes=12, wake_repeats=9)
+    assert [settings.pass_wake_repeats(k) for k in range(12)] == [0, 1, 1, 1] * 3
+    for repeats, passes in ((9, 2), (5, 5), (20, 3), (1, 4)):
+        settings = Settings([4], [1], [8], [1], repeats=20, passes=passes, wake_repeats=repeats)
+        assert sum(settings.pass_wake_repeats(k) for k in range(passes)) == repeats
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    settings = Settings([4], [1], [8], [1], warmup=0, repeats=3, passes=3, wake_idle_ms=(1, 2),
+                        wake_repeats=2, prefill_pairs=False)  # fmt: skip
+    profiler = Profiler(runner, settings, torch.device("cpu"))
+    slept = []  # (pass, idle ms) of every gap
+    monkeypatch.setattr(
+        measure,
+        "time",
+        SimpleNamespace(
+            sleep=lambda seconds: slept.append((profiler.passes_done, round(seconds * 1e3)))
+        ),
+    )
+    points = profiler.points(progress=False)
+    assert slept == [(1, 1), (1, 2), (2, 1), (2, 2)]  # none in pass 0, none after the passes
+    assert {k: len(v) for k, v in profiler.wake_samples.items()} == {1: 2, 2: 2}
+    assert {p.idle_ms for p in points if p.op == "wake_up"} == {0, 1, 2}
+    alone = Profiler(runner, settings, torch.device("cpu"))  # no pass: all of them now
+    slept.clear()
+    profiler = alone
+    alone.wake_points()
+    assert slept == [(0, 1), (0, 2)] * 2
+
+
+def test_a_window_that_starts_with_a_prefill_reads_its_excess_over_its_warm_repeat():
+    """A window after the gap starts with a prefill (10 ms warm: the same prefill at the
+    window's end), 12-14 ms after the gap, then 1 ms decode steps, the first 0.5 ms slower:
+    3.5 ms left after no work, 0.5 after the prefill's 10 ms, none after a step more; busy
+    counts the prefill's warm time, then the steps'."""
+    steps = np.ones((3, 8))
+    steps[:, 0] += 0.5
+    first = np.array([[12.0, 10.0], [13.0, 10.0], [14.0, 10.2]])
+    points = measure.wake_curve(50, steps, first)
+    assert [p.busy_ms for p in points] == pytest.approx([0, 10, 11, 12, 13, 15, 17, 18])
+    assert [p.median_ms for p in points] == pytest.approx([3.5, 0.5, 0, 0, 0, 0, 0, 0])
+    assert points[0].p90_ms == pytest.approx(np.percentile([2.5, 3.5, 4.3], 90))
+    # a prefill no slower than its warm repeat: no wake-up, whatever the steps show after it
+    flat = measure.wake_curve(50, steps, np.array([[10.0, 10.0]] * 3))
+    assert [p.median_ms for p in flat] == [0.0] * 8
 
 
 def test_a_long_small_tail_is_kept_in_bins_where_one_step_is_within_the_noise():
