@@ -59,13 +59,13 @@ than inside an iteration, where the rest of the model streamed through the cache
 - ``wake_up(idle_ms, busy_ms)``: for each idle time of ``wake.idle_ms``, ``wake.repeats``
   times, spread over the passes (``Settings.pass_wake_repeats``: measured after the last
   pass only, as up to 2026-12-04, the wake-up was that stretch's: in a `make validate` at
-  06:00 that day, tiny-qwen3-moe's first step after 1 s of idle time ran 17-25 ms over its
+  05:51 that day, tiny-qwen3-moe's first step after 1 s of idle time ran 17-25 ms over its
   warm steps in all 9 repeats, 5.8-9.6 ms after 200 ms, where the first prefills of its real
   runs after gaps of 0.2-1 s ran 0.8 ms over their prediction on average): a window of a
-  run's work after an idle gap (``Profiler._wake_window``: a prefill of a
-  new prompt of ``wake.prompt_tokens``, decode steps of it, as many as take
-  ``WAKE_WINDOW_MS`` warm, each feeding the token the last one chose, then a prefill of
-  another such prompt) run back to back untimed (so that the last sample's slow-down is over
+  run's work after an idle gap (``Profiler._wake_window``: a prefill of a new prompt of
+  ``wake.prompt_tokens``, decode steps of it, as many as take ``WAKE_WINDOW_MS`` warm, each
+  rewound and fed a new random token, then a prefill of another such prompt) run back to
+  back untimed (so that the last sample's slow-down is over
   and the device is busy when the gap starts), then the device left idle that long, then
   such a window again, each iteration timed. A step's excess is its time over the median of
   the window's second half, by then warm, and the first prefill's its time over the last
@@ -238,11 +238,11 @@ PREFILL_JITTER = 8
 # the curated `make validate` (2026-12-03 22:16; 3 or more steps after an idle gap), a decode
 # step of one sequence right after a prefill took 1.02x its prediction over the host-speed
 # probe, one after another decode step 0.96x (2-4 sequences: 1.02x and 0.99x; 5-16: 1.02x and
-# 1.02x). Paired in one process (80-150
-# rounds, kv 64), the profile's step after one untimed step took 1.04x-1.07x a step of a
-# sequence 4 steps into its decoding (one sequence: tiny-qwen2-moe 1.04x, tiny-mixtral 1.05x,
-# tiny-olmoe 1.07x; 4 and 16 of tiny-qwen2-moe 1.04x, 1.02x), after 3 untimed 0.98x-1.05x, after
-# 6 0.98x-1.03x (2026-12-04). The default of ``Settings.decode_warmup``.
+# 1.02x). Paired in one process (80-150 rounds, kv 64), the profile's step after one untimed
+# step took 1.04x-1.07x a step of a sequence 4 steps into its decoding (one sequence:
+# tiny-qwen2-moe 1.04x, tiny-mixtral 1.05x, tiny-olmoe 1.07x; 4 and 16 of tiny-qwen2-moe
+# 1.04x, 1.02x), after 3 untimed 0.98x-1.05x, after 6 0.98x-1.03x (2026-12-04). The default
+# of ``Settings.decode_warmup``.
 DECODE_WARMUP = 3
 
 
