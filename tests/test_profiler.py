@@ -497,9 +497,10 @@ def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypa
     """On a clock of its own (deterministic): a device whose iteration takes 1 ms, and 40 ms
     more on the first and 10 ms more on the second once it sat idle 50 ms or more. Each window
     after a gap is a run's work after one: a prefill of a new prompt of wake.prompt_tokens,
-    decode steps of it (its context growing), then a prefill of another prompt. The profiler
-    measures, at 150 ms of idle time, 50 ms left after no work, 10 ms after the prefill's (1
-    ms), none after a step more; none at 2 ms of idle time; 0 at 0."""
+    decode steps of it (rewound, a new token each), then a prefill of another prompt. The
+    profiler
+    measures, at 150 ms of idle time, 50 ms left after no work, 10 ms after the prefill's
+    (1 ms), none after a step more; none at 2 ms of idle time; 0 at 0."""
     runner = ModelRunner(build_model("tiny-mixtral")[0])
     clock = {"now": 0.0, "last": 0.0, "cold": []}
     run_steps = runner.run
@@ -626,23 +627,20 @@ def test_the_wake_ups_repeats_are_spread_over_the_passes(monkeypatch):
     runner = ModelRunner(build_model("tiny-mixtral")[0])
     settings = Settings([4], [1], [8], [1], warmup=0, repeats=3, passes=3, wake_idle_ms=(1, 2),
                         wake_repeats=2, prefill_pairs=False)  # fmt: skip
-    profiler = Profiler(runner, settings, torch.device("cpu"))
+    profilers = [Profiler(runner, settings, torch.device("cpu"))]
     slept = []  # (pass, idle ms) of every gap
-    monkeypatch.setattr(
-        measure,
-        "time",
-        SimpleNamespace(
-            sleep=lambda seconds: slept.append((profiler.passes_done, round(seconds * 1e3)))
-        ),
-    )
-    points = profiler.points(progress=False)
+
+    def sleep(seconds):
+        slept.append((profilers[-1].passes_done, round(seconds * 1e3)))
+
+    monkeypatch.setattr(measure, "time", SimpleNamespace(sleep=sleep))
+    points = profilers[-1].points(progress=False)
     assert slept == [(1, 1), (1, 2), (2, 1), (2, 2)]  # none in pass 0, none after the passes
-    assert {k: len(v) for k, v in profiler.wake_samples.items()} == {1: 2, 2: 2}
+    assert {k: len(v) for k, v in profilers[-1].wake_samples.items()} == {1: 2, 2: 2}
     assert {p.idle_ms for p in points if p.op == "wake_up"} == {0, 1, 2}
-    alone = Profiler(runner, settings, torch.device("cpu"))  # no pass: all of them now
+    profilers.append(Profiler(runner, settings, torch.device("cpu")))  # no pass: all of them now
     slept.clear()
-    profiler = alone
-    alone.wake_points()
+    profilers[-1].wake_points()
     assert slept == [(0, 1), (0, 2)] * 2
 
 
