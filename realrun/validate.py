@@ -124,8 +124,12 @@ def check(cfg: DictConfig) -> None:
             covering_grid(OmegaConf.to_container(cfg.profile.grid), 0, 0, 0)
         except SettingsError as e:
             raise UserError(f"profile.{e}") from None
-        for key, least in (("warmup", 0), ("decode_warmup", 0), ("repeats", 1)):
-            value = cfg.profile.get(key)
+        prof, wake = cfg.profile, cfg.profile.get("wake") or {}
+        settings = (("warmup", prof.get("warmup"), 0),
+                    ("decode_warmup", prof.get("decode_warmup"), 0),
+                    ("repeats", prof.get("repeats"), 1),
+                    ("wake.prompt_tokens", wake.get("prompt_tokens"), 1))  # fmt: skip
+        for key, value, least in settings:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < least):  # fmt: skip
                 raise UserError(f"profile.{key}={value}: must be an integer >= {least}")

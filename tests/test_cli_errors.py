@@ -61,6 +61,8 @@ CASES = (
        ("qllm-validate", ["profile.decode_warmup=1.5"],
         "profile.decode_warmup=1.5: must be an integer >= 0"),
        ("qllm-validate", ["profile.repeats=0"], "profile.repeats=0: must be an integer >= 1"),
+       ("qllm-validate", ["profile.wake.prompt_tokens=0"],
+        "profile.wake.prompt_tokens=0: must be an integer >= 1"),
        ("qllm-profile", ["model=nope"], "model=nope: unknown model; choose one of")]
     # a grid that is not a list of integers: '16' was profiled as batches 1 and 6, 1.5 as 1
     + [(prog, [f"{pre}grid.decode_batch={v}"], f"{pre}grid.decode_batch={said}: must be a list "
