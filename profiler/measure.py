@@ -155,6 +155,7 @@ CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 WAKE_WINDOW_MS = 100.0
 WAKE_STEPS_RANGE = (4, 64)
 WAKE_POINTS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
+WAKE_PROMPT_TOKENS = 64  # the prompt of each window's first iteration, a prefill (_wake_window)
 # the bins of steps (from, to) in which the wake-up's excess is read (module docstring)
 # (a window has at most WAKE_STEPS_RANGE[1] steps, so its first half ends by step 32)
 WAKE_BINS = ((0, 1), (1, 2), (2, 3), (3, 4), (4, 8), (8, 16), (16, 32))
@@ -265,7 +266,7 @@ class Settings:
     wake_idle_ms: tuple[int, ...] = (2, 10, 50, 200, 1000)  # empty: no wake_up op
     wake_repeats: int = 9
     # the prompt of each wake-up window's first iteration, a prefill (``wake_points``)
-    wake_prompt_tokens: int = 64
+    wake_prompt_tokens: int = WAKE_PROMPT_TOKENS
     chunk_kv: tuple[int, ...] = ()  # cached prefixes under each chunk; empty: no attn_chunk
     # batched prefills of about this many tokens (``prefill_batches``); empty: none
     prefill_batch_tokens: tuple[int, ...] = ()
@@ -310,8 +311,9 @@ class Settings:
         if wake is not None:
             out.wake_idle_ms = tuple(sorted(set(int_list("wake.idle_ms", wake["idle_ms"]))))
             out.wake_repeats = setting_int("wake.repeats", wake["repeats"])
-            out.wake_prompt_tokens = setting_int("wake.prompt_tokens",
-                                                 wake.get("prompt_tokens", 64))  # fmt: skip
+            out.wake_prompt_tokens = setting_int(
+                "wake.prompt_tokens", wake.get("prompt_tokens", WAKE_PROMPT_TOKENS)
+            )
         out.validate()
         return out
 
@@ -880,46 +882,37 @@ class Profiler:
             random.Random(f"{s.seed}/pass {self.passes_done}").shuffle(shapes)
         return shapes
 
-    def _steps_s(self, seqs: list[KVSequence], steps: int) -> np.ndarray:
-        """Seconds of each of ``steps`` decode steps on the profile's clock (on CUDA, wall),
-        the sequences rewound after each."""
-        runner = self.runner
+    def _run_s(self, seqs: list[KVSequence]) -> float:
+        """Seconds of one iteration of ``seqs`` on the profile's clock (on CUDA, wall: the
+        runner returns the tokens, so the device has finished)."""
         clock = time.perf_counter if self.clock.cuda else self.clock.clock
+        start = clock()
+        self.runner.run(self.runner.begin(seqs))
+        return clock() - start
+
+    def _steps_s(self, seqs: list[KVSequence], steps: int) -> np.ndarray:
+        """Seconds of each of ``steps`` decode steps of ``seqs`` (``_run_s``), rewound after
+        each and fed new random tokens (as ``repeat``), so that they are alike: fed the token
+        the last one chose, a random-weight model soon repeats a few tokens, whose experts
+        stay in the caches, and a wake-up window's second half ran faster than its first
+        steps for that alone."""
         marks = [(len(s.token_ids), s.num_cached) for s in seqs]
-        times = [clock()]
+        times = []
         for _ in range(steps):
-            runner.run(runner.begin(seqs))  # returns the tokens: the device has finished
+            times.append(self._run_s(seqs))
             for s, (n, c) in zip(seqs, marks, strict=True):
                 s.truncate(n, c)
-            times.append(clock())
-        return np.diff(times)
+                s.token_ids[c:] = self.random_ids(n - c)
+        return np.array(times)
 
     def _wake_window(self, steps: int) -> np.ndarray:
         """One wake-up window, as a run's work after an idle gap: a prefill of a new prompt
-        of ``wake_prompt_tokens``, ``steps`` decode steps of it, then a prefill of another
-        such prompt, warm by then. The steps are rewound and fed a new random token each time
-        (as ``repeat``), so that they are alike: fed the token the last one chose, a
-        random-weight model soon repeats a few tokens, whose experts stay in the caches, and
-        the window's second half ran faster than its first steps for that alone. Milliseconds
-        of each on the profile's clock (on CUDA, wall: the runner returns the tokens, so the
-        device has finished): [prefill, step 1, ..., step n, prefill]."""
-        clock = time.perf_counter if self.clock.cuda else self.clock.clock
+        of ``wake_prompt_tokens``, ``steps`` decode steps of it (``_steps_s``), then a
+        prefill of another such prompt, warm by then. Milliseconds of each:
+        [prefill, step 1, ..., step n, prefill]."""
         first, last = self.prompts([self.settings.wake_prompt_tokens] * 2)
-        times = []
-
-        def timed(seq: KVSequence) -> None:
-            start = clock()
-            self.runner.run(self.runner.begin([seq]))
-            times.append(clock() - start)
-
-        timed(first)  # its prefill: one token to feed
-        n, c = len(first.token_ids), first.num_cached
-        for _ in range(steps):
-            timed(first)
-            first.truncate(n, c)
-            first.token_ids[c:] = self.random_ids(n - c)
-        timed(last)
-        return 1e3 * np.array(times)
+        prefill = self._run_s([first])  # one token left to feed
+        return 1e3 * np.array([prefill, *self._steps_s([first], steps), self._run_s([last])])
 
     def _wake_repeat(self) -> None:
         """One repeat of the wake-up (``wake_runs``): for each idle time in turn (interleaved:
