@@ -21,6 +21,7 @@
 #
 # QLLM_CHECK_STEPS="env validate" runs only the steps named (default: the six above), for a
 # rerun of one step in what is left of a device lease; "env modes" runs gpu/modes.py (~2 min).
+# QLLM_CHECK_PIN=N pins the validate step to CPU core N.
 # QLLM_CHECK_DRY=1 (make gpu-check-dry): the same steps on the CPU with tiny-mixtral and small
 # grids, the GPU machine's missing packages hidden (gpu/dry/sitecustomize.py).
 set -u -o pipefail
@@ -28,6 +29,12 @@ set -u -o pipefail
 PY=${PYTHON:-python3}
 DRY=${QLLM_CHECK_DRY:-0}
 STEPS=" ${QLLM_CHECK_STEPS:-env smoke validate compare preemption pytest_gpu} "
+# QLLM_CHECK_PIN=N: validate (its profile and its real runs, one process) pinned to CPU core N,
+# so its host thread cannot move between cores (see the modes step).
+PIN_CMD=()
+if [ -n "${QLLM_CHECK_PIN:-}" ]; then
+  PIN_CMD=($PY -c 'import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); os.execvp(sys.argv[2], sys.argv[2:])' "$QLLM_CHECK_PIN")
+fi
 START_S=$(date +%s)
 DEADLINE_S=$((START_S + ${QLLM_CHECK_BUDGET_S:-470}))
 WORK=$(mktemp -d)
@@ -116,7 +123,12 @@ fi
 step env "${LIMITS[0]}" env.json bash -c \
   "{ command -v nvidia-smi >/dev/null && nvidia-smi || echo 'no nvidia-smi'; } && $PY -m pip list 2>/dev/null | grep -iE '^(torch|transformers|hydra-core|omegaconf|simpy|numpy|pandas) ' ; $PY -m gpu.smoke --env-only --json $R/env.json"
 step smoke "${LIMITS[1]}" smoke.json $PY -m gpu.smoke --device "$DEVICE" --json "$R/smoke.json"
-step validate "${LIMITS[2]}" "$NAME/validation.json" $PY -m realrun.validate model="$MODEL" device="$DEVICE" \
+# Not in the default steps: decode-step times free vs pinned to one core (gpu/modes.py), to
+# tell whether the two speed modes of the validation are the host thread moving between cores.
+# Before validate, so that a lease's deadline cuts the long step, not this one.
+step modes 150 modes.json $PY -m gpu.modes --model "$MODEL" --device "$DEVICE" \
+  --steps "$([ "$DRY" = 1 ] && echo 20 || echo 300)" --json "$R/modes.json"
+step validate "${LIMITS[2]}" "$NAME/validation.json" "${PIN_CMD[@]}" $PY -m realrun.validate model="$MODEL" device="$DEVICE" \
   name="$NAME" out_dir="$R" policies=[iteration,qllm] workload=synthetic \
   workload.ls_fraction=0.3 progress=false "${VALIDATE_ARGS[@]}"
 if [ -f "$R/$NAME/iteration_errors.json" ]; then cp "$R/$NAME/iteration_errors.json" "$OUT/"; fi
@@ -126,10 +138,6 @@ step preemption "${LIMITS[4]}" preemption.json $PY benchmarks/preemption_latency
   --model "$MODEL" --device "$DEVICE" "${PREEMPTION_ARGS[@]}" --json "$R/preemption.json"
 step pytest_gpu "${LIMITS[5]}" "" $PY -m pytest -p no:cacheprovider -m gpu -rs \
   tests/test_realrun*.py tests/test_profiler.py
-# Not in the default steps: decode-step times free vs pinned to one core (gpu/modes.py), to
-# tell whether the two speed modes of the validation are the host thread moving between cores.
-step modes 150 modes.json $PY -m gpu.modes --model "$MODEL" --device "$DEVICE" \
-  --steps "$([ "$DRY" = 1 ] && echo 20 || echo 250)" --json "$R/modes.json"
 
 echo "check: done in $(($(date +%s) - START_S)) s; results in $OUT"
 rm -rf "$WORK"
