@@ -20,7 +20,7 @@
 # returns the earlier steps. At most 8 files come back from $OUT: these are 8.
 #
 # QLLM_CHECK_STEPS="env validate" runs only the steps named (default: the six above), for a
-# rerun of one step in what is left of a device lease; "env modes" runs gpu/modes.py (~2 min).
+# rerun of one step in what is left of a device lease; "env modes" runs gpu/modes.py (~1 min).
 # QLLM_CHECK_PIN=N pins the validate step to CPU core N.
 # QLLM_CHECK_DRY=1 (make gpu-check-dry): the same steps on the CPU with tiny-mixtral and small
 # grids, the GPU machine's missing packages hidden (gpu/dry/sitecustomize.py).
@@ -30,7 +30,7 @@ PY=${PYTHON:-python3}
 DRY=${QLLM_CHECK_DRY:-0}
 STEPS=" ${QLLM_CHECK_STEPS:-env smoke validate compare preemption pytest_gpu} "
 # QLLM_CHECK_PIN=N: validate (its profile and its real runs, one process) pinned to CPU core N,
-# so its host thread cannot move between cores (see the modes step).
+# so its host thread cannot move between cores (run 3 on the H200: the slow mode stayed).
 PIN_CMD=()
 if [ -n "${QLLM_CHECK_PIN:-}" ]; then
   PIN_CMD=($PY -c 'import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); os.execvp(sys.argv[2], sys.argv[2:])' "$QLLM_CHECK_PIN")
@@ -123,9 +123,10 @@ fi
 step env "${LIMITS[0]}" env.json bash -c \
   "{ command -v nvidia-smi >/dev/null && nvidia-smi || echo 'no nvidia-smi'; } && $PY -m pip list 2>/dev/null | grep -iE '^(torch|transformers|hydra-core|omegaconf|simpy|numpy|pandas) ' ; $PY -m gpu.smoke --env-only --json $R/env.json"
 step smoke "${LIMITS[1]}" smoke.json $PY -m gpu.smoke --device "$DEVICE" --json "$R/smoke.json"
-# Not in the default steps: decode-step times free vs pinned to one core (gpu/modes.py), to
-# tell whether the two speed modes of the validation are the host thread moving between cores.
-# Before validate, so that a lease's deadline cuts the long step, not this one.
+# Not in the default steps: decode-step times against the host page faults each step takes
+# (gpu/modes.py: the same step repeated, growing contexts, then growing under the allocator
+# that keeps freed memory), to tell whether the validation's slow mode is host memory mapped
+# mid-step. Before validate, so that a lease's deadline cuts the long step, not this one.
 step modes 150 modes.json $PY -m gpu.modes --model "$MODEL" --device "$DEVICE" \
   --steps "$([ "$DRY" = 1 ] && echo 20 || echo 300)" --json "$R/modes.json"
 step validate "${LIMITS[2]}" "$NAME/validation.json" "${PIN_CMD[@]}" $PY -m realrun.validate model="$MODEL" device="$DEVICE" \

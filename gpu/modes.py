@@ -1,19 +1,33 @@
-"""Decode-step times of one model, free and pinned to one CPU core: are the two speed modes the
-H200 validation saw (results/gpu/h200/run2) the host thread moving between cores?
+"""Decode-step times of one model against the host page faults each step takes: is the slow
+mode of the H200 validation (steps 1.5-1.9x the profile's) host memory mapped in mid-step?
 
-    python -m gpu.modes --model mixtral-8x7b --device cuda --steps 250 --json modes.json
+    python -m gpu.modes --model mixtral-8x7b --device cuda --steps 300 --json modes.json
 
-Three phases of ``--steps`` decode steps of ``--batch`` sequences each (the cache rewound after
-each step, so every step has the same shape): free, pinned to the core the process is on, free
-again. Per phase: median, p10, p90 (ms), the share of steps slower than 1.25x the run's overall
-p10 ("slow mode"), and the GPU's SM clock before and after (nvidia-smi, when present).
+Run 3 on the H200 (2026-12-04, results/gpu/h200/run3) answered the first question this script
+asked: pinning the host thread to one core does not remove the slow mode (14% of free steps
+slow, 30% pinned, 10% free again). Its validation found instead that each real run's speed
+against the profile followed the host page faults it took per iteration (1.12x at 70, 1.90x
+at 318), while the host-speed probe, the same decode step repeated, ran at the profile's
+speed beside it. So the phases now are, ``--steps`` decode steps of ``--batch`` sequences
+each, under glibc's default allocator first:
+
+- ``rewound``: the very same step again and again (the cache rewound after each), as the
+  profile and the probe time it;
+- ``growing``: steps that keep their token (the context grows by one each step, every shape
+  new, as in the real engine), rewound every ``--grow`` steps;
+- ``growing-retained``: the same after ``profiler.ops.retain_freed_memory`` (process-wide and
+  for good, so last), as every ``ModelRunner`` now runs.
+
+Per phase: median, p10, p90 (ms), the share of steps slower than 1.25x the run's overall p10
+("slow"), the minor page faults per step (median, mean) and the correlation of a step's time
+with its faults, and the GPU's SM clock before and after (nvidia-smi, when present).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import resource
 import shutil
 import subprocess
 import time
@@ -22,7 +36,9 @@ import numpy as np
 import torch
 
 from profiler.models import build_model
-from profiler.ops import ModelRunner
+from profiler.ops import ModelRunner, retain_freed_memory
+
+PHASES = ("rewound", "growing", "growing-retained")
 
 
 def sm_clock_mhz() -> int | None:
@@ -33,16 +49,19 @@ def sm_clock_mhz() -> int | None:
     return int(out.splitlines()[0]) if out and out.splitlines()[0].isdigit() else None
 
 
-def current_cpu(allowed: set[int]) -> int:
-    """The core this process runs on now (field 39 of /proc/self/stat: Python has no
-    sched_getcpu), or the lowest allowed one where that cannot be read."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rpartition(")")[2].split()  # after the command name
-        core = int(fields[36])  # field 39 of the whole line; fields[0] is field 3
-    except (OSError, ValueError, IndexError):
-        return min(allowed)
-    return core if core in allowed else min(allowed)
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def summarize(name: str, ms: list[float], faults: list[int], fast_ms: float) -> dict:
+    t, f = np.array(ms), np.array(faults, dtype=float)
+    corr = float(np.corrcoef(t, f)[0, 1]) if t.std() > 0 and f.std() > 0 else None
+    return {"phase": name, "median_ms": float(np.median(t)),
+            "p10_ms": float(np.percentile(t, 10)), "p90_ms": float(np.percentile(t, 90)),
+            "slow_share": float(np.mean(t > 1.25 * fast_ms)),
+            "faults_median": float(np.median(f)), "faults_mean": float(f.mean()),
+            "corr_ms_faults": corr,
+            "series_ms": [round(float(x), 3) for x in t], "series_faults": faults}  # fmt: skip
 
 
 def main() -> None:
@@ -52,49 +71,55 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--grow", type=int, default=48, help="growing steps between two rewinds")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.steps < 2 or args.grow < 1:
+        ap.error("--steps must be >= 2 and --grow >= 1")
     t0 = time.perf_counter()
     model, info = build_model({"name": args.model}, device=args.device)
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, retain_memory=False)  # the default allocator, until the last
     gen = torch.Generator().manual_seed(0)
     seqs = [runner.new_sequence(torch.randint(0, runner.config.vocab_size, (args.context,),
                                               generator=gen).tolist())
             for _ in range(args.batch)]  # fmt: skip
     runner.run(runner.begin(seqs))  # the prefill: one token left to feed
     marks = [(len(s.token_ids), s.num_cached) for s in seqs]
-    print(f"model={args.model} device={args.device} built in {time.perf_counter() - t0:.1f} s; "
-          f"cpus {sorted(os.sched_getaffinity(0))}")  # fmt: skip
-    allowed = os.sched_getaffinity(0)
-    phases, all_ms = [], []
-    for name in ("free", "pinned", "free-again"):
-        if name == "pinned":
-            core = current_cpu(allowed)
-            os.sched_setaffinity(0, {core})
-        else:
-            os.sched_setaffinity(0, allowed)
+    print(f"model={args.model} device={args.device} built in {time.perf_counter() - t0:.1f} s")
+
+    def rewind() -> None:
+        for s, (n, c) in zip(seqs, marks, strict=True):
+            s.truncate(n, c)
+
+    raw, clocks = [], []
+    for name in PHASES:
+        if name == "growing-retained":
+            retained = retain_freed_memory()
+            print(f"retain_freed_memory: {retained}")
         clock_before = sm_clock_mhz()
-        ms = []
-        for _ in range(args.steps):
+        ms, faults = [], []
+        for i in range(args.steps):
+            f = minor_faults()
             t = time.perf_counter()
             runner.run(runner.begin(seqs))  # returns tokens: the device has finished
             ms.append(1e3 * (time.perf_counter() - t))
-            for s, (n, c) in zip(seqs, marks, strict=True):
-                s.truncate(n, c)
-        phases.append({"phase": name, "pinned_to": sorted(os.sched_getaffinity(0)),
-                       "ms": ms, "sm_clock_before_mhz": clock_before,
-                       "sm_clock_after_mhz": sm_clock_mhz()})  # fmt: skip
-        all_ms += ms
-    os.sched_setaffinity(0, allowed)
-    fast = float(np.percentile(all_ms, 10))
-    for p in phases:
-        ms = np.array(p.pop("ms"))
-        p.update(median_ms=float(np.median(ms)), p10_ms=float(np.percentile(ms, 10)),
-                 p90_ms=float(np.percentile(ms, 90)), slow_share=float(np.mean(ms > 1.25 * fast)),
-                 series_ms=[round(float(x), 3) for x in ms])  # fmt: skip
-        print(f"phase={p['phase']} pinned_to={p['pinned_to'][:4]} median_ms={p['median_ms']:.2f} "
-              f"p10_ms={p['p10_ms']:.2f} p90_ms={p['p90_ms']:.2f} slow_share={p['slow_share']:.2f}"
-              f" sm_clock_mhz={p['sm_clock_before_mhz']}->{p['sm_clock_after_mhz']}")  # fmt: skip
+            faults.append(minor_faults() - f)
+            if name == "rewound" or (i + 1) % args.grow == 0:
+                rewind()
+        rewind()
+        raw.append((name, ms, faults))
+        clocks.append((clock_before, sm_clock_mhz()))
+    fast = float(np.percentile([x for _, ms, _ in raw for x in ms], 10))
+    phases = []
+    for (name, ms, faults), (before, after) in zip(raw, clocks, strict=True):
+        p = summarize(name, ms, faults, fast)
+        p.update(sm_clock_before_mhz=before, sm_clock_after_mhz=after)
+        phases.append(p)
+        corr = "-" if p["corr_ms_faults"] is None else f"{p['corr_ms_faults']:.2f}"
+        print(f"phase={name} median_ms={p['median_ms']:.2f} p10_ms={p['p10_ms']:.2f} "
+              f"p90_ms={p['p90_ms']:.2f} slow_share={p['slow_share']:.2f} "
+              f"faults_per_step={p['faults_median']:.0f} (mean {p['faults_mean']:.1f}) "
+              f"corr(ms, faults)={corr} sm_clock_mhz={before}->{after}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "fast_p10_ms": fast, "phases": phases}, f, indent=1)

@@ -79,9 +79,12 @@ def retain_freed_memory() -> bool:
     its padded KV buffer, so in the real engine each one paid that: about 2,400 minor faults,
     +4-5 ms (+60%) on a 32-sequence step of tiny-olmoe on a 2-core VM, absent from the
     profile, whose repeated shapes reuse their memory. It is the host allocator's cost, not the
-    model's; a GPU engine does not pay it either (CUDA's caching allocator keeps freed blocks,
-    serving engines preallocate their KV). Process-wide, and once: every ``ModelRunner`` on the
-    CPU calls it, so the profile and the runs are timed under the same allocator."""
+    model's (serving engines preallocate their KV). On the H200 (a Firecracker VM, 2026-12-04,
+    results/gpu/h200/run3) the CUDA engine's host side page-faulted too, 70-318 times per
+    iteration by run, and each run's speed against its profile followed that count (1.12x at
+    70, 1.30x at 123-186, 1.41x at 261, 1.90x at 318: some 0.1 ms a fault), so every
+    ``ModelRunner`` calls it whatever its device (not yet run on a GPU with it). Process-wide,
+    and once, so the profile and the runs are timed under the same allocator."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
@@ -467,7 +470,7 @@ class ModelRunner:
                                             # tokens over its cache (no token unless the last)
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, retain_memory: bool = True) -> None:
         # Inference only: frozen parameters build no autograd graph, so the stages need no
         # no_grad/inference_mode context (whose cost per stage would go unmeasured).
         model.requires_grad_(False)
@@ -509,14 +512,16 @@ class ModelRunner:
         # The profiler's clock, read around each prompt's self-attention in a prefill's
         # attention stage (``IterationState.call_marks``); None: nothing is read
         self.call_clock: Callable[[], object] | None = None
-        self.retains_memory = self.device.type == "cpu" and retain_freed_memory()
+        # every device: a CUDA engine's host side page-faults too (``retain_freed_memory``);
+        # False only for a diagnostic that times the default allocator (gpu/modes.py)
+        self.retains_memory = retain_memory and retain_freed_memory()
 
     def reserve(self, num_bytes: int) -> int:
         """Map ``num_bytes`` (at most ``MAX_RESERVE_BYTES``) of host memory into the heap now,
         so that the KV buffers a timed run allocates later reuse pages already mapped instead
         of page-faulting fresh ones in mid-run (the real engine's warm-up does it). A no-op
         (0) off the CPU or where freed memory is not retained; returns the bytes reserved."""
-        if not self.retains_memory or num_bytes <= 0:
+        if self.device.type != "cpu" or not self.retains_memory or num_bytes <= 0:
             return 0
         num_bytes = min(int(num_bytes), MAX_RESERVE_BYTES)
         block = torch.ones(num_bytes, dtype=torch.uint8)  # written: every page mapped

@@ -73,6 +73,9 @@ class Segment:
     preempted: bool
     merged: bool = False  # ended where it merged with a suspended batch (the rest runs merged)
     bound: bool = False  # its iteration's decode steps bound a new padded KV (a new batch)
+    # minor page faults of the process while it ran (None where uncounted): host memory
+    # mapped in mid-segment, in its measured time and in no profile term
+    faults: int | None = None
 
     @property
     def measured_s(self) -> float:
@@ -239,6 +242,7 @@ class RealEngine:
             self._shapes[batch.id] = [(s.phase.value, s.new_tokens, s.context_tokens)
                                       for s in batch.sequences]  # fmt: skip
         stage_trace = trace is not None and trace.stages
+        faults = minor_faults()  # read outside the segment's clock
         start = now = clock.now()
         start_cursor = state.cursor
         stages = 0
@@ -261,14 +265,16 @@ class RealEngine:
                 batch.cursor = state.cursor
                 if sched.should_preempt():
                     self.stages += stages
-                    self._record(batch, start_cursor, state.cursor, start, now, True)
+                    self._record(batch, start_cursor, state.cursor, start, now, True, faults)
                     sched.preempt(now)
                     if trace is not None:
                         trace.segment(batch, start, now, preempted=True)
                     return
             if partner is not None and state.cursor == partner.cursor:  # the paper's merge
                 batch.cursor = state.cursor
-                self._record(batch, start_cursor, state.cursor, start, now, False, merged=True)
+                self._record(batch, start_cursor, state.cursor, start, now, False, faults,
+                             merged=True)  # fmt: skip
+                faults = minor_faults()
                 if trace is not None:
                     trace.segment(batch, start, now, preempted=False, merged=True)
                 shape = self._shapes.pop(batch.id) + self._shapes.pop(partner.id)
@@ -278,7 +284,7 @@ class RealEngine:
                 state = batch.plan = runner.merge(state, partner.plan)
                 partner = sched.merge_partner()
         self.stages += stages
-        self._record(batch, start_cursor, state.cursor, start, now, False)
+        self._record(batch, start_cursor, state.cursor, start, now, False, faults)
         self._shapes.pop(batch.id, None)
         if trace is not None:
             trace.segment(batch, start, now, preempted=False)
@@ -290,10 +296,14 @@ class RealEngine:
                 self.on_finish(seq)
 
     def _record(self, batch: Batch, start_cursor: int, end_cursor: int, start_s: float,
-                end_s: float, preempted: bool, merged: bool = False) -> None:  # fmt: skip
+                end_s: float, preempted: bool, faults: int | None,
+                merged: bool = False) -> None:  # fmt: skip
+        """Files the segment; ``faults``: the process's minor faults when it started."""
+        if faults is not None:
+            faults = minor_faults() - faults
         idle_s = max(start_s - self._idle_since, 0.0) if self._idle_since is not None else 0.0
         self._idle_since = None  # busy until the scheduler next has nothing to run
         self._busy_segments += 1
         self.segments.append(Segment(batch.id, batch.phase.value, self._shapes[batch.id],
                                      start_cursor, end_cursor, start_s, end_s, idle_s,
-                                     preempted, merged, batch.plan.bound))  # fmt: skip
+                                     preempted, merged, batch.plan.bound, faults))  # fmt: skip

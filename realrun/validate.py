@@ -585,6 +585,8 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # decode steps since the last idle gap (iteration_errors): the wake-up and its tail
 SINCE_IDLE_BUCKETS = (1, 3, 7, 15, 31, 63)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096)
+# minor page faults within a segment (iteration_errors)
+FAULT_BUCKETS = (0, 10, 100, 1000)
 
 
 def bucket(value: int, edges: tuple[int, ...]) -> str:
@@ -641,6 +643,7 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
                      "host_predicted_s": host(len(seg.shape)) if host else 0.0,
                      "measured_s": measured_s,
                      "predicted_s": predicted_s, "wake_s": wake_s,
+                     "faults": math.nan if seg.faults is None else seg.faults,
                      "error_pct": 100 * (predicted_s - measured_s) / measured_s
                      if measured_s > 0 else math.nan})  # fmt: skip
         after, before = seg.phase, seg
@@ -682,6 +685,10 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
                 (f"{r['phase']} tokens", bucket(r["tokens"], TOKEN_BUCKETS)),
                 ("segment", r["kind"]),
                 ("after idle", "yes" if r["idle_s"] > IDLE_AFTER_S else "no")]  # fmt: skip
+        if (faults := r.get("faults")) is not None and not math.isnan(faults):
+            # host memory mapped in mid-segment: a cost no profile term holds (0.1 ms a fault
+            # on the H200's VM, results/gpu/h200/run3)
+            keys.append(("page faults", bucket(faults, FAULT_BUCKETS)))
         if r.get("load"):  # each load's summed error, and its decode steps by steps since
             # the last idle gap (a wake-up's tail, or a load's own speed, at the same distance)
             keys.append(("load", r["load"]))
@@ -720,6 +727,7 @@ def iteration_errors(rows: list[dict]) -> list[dict]:
         "decode after": 5,
         "mixed after": 5,
         "load": 5.5,
+        "page faults": 5.7,
         "engine host": 6,
         "run": 7,
     }

@@ -109,6 +109,18 @@ def test_virtual_clock_runs_are_deterministic(f64):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="page faults via resource")
+def test_each_segment_counts_the_page_faults_taken_while_it_ran(f64):
+    """Every segment carries its minor faults (host memory mapped mid-segment, in its measured
+    time: the H200's runs slowed with them), none more than the whole run took."""
+    runner, requests, prompts, _ = f64
+    sched = Scheduler(policy("qllm"), kv_capacity_tokens=100_000)
+    result = RealEngine(requests, prompts, sched, runner, VirtualClock(STAGE_S)).run()
+    faults = [seg.faults for seg in result.segments]
+    assert all(isinstance(f, int) and f >= 0 for f in faults), faults
+    assert sum(faults) <= result.page_faults
+
+
 def test_idle_waits_sleep_instead_of_spinning():
     model, _ = build_model("tiny-mixtral")
     runner = ModelRunner(model)

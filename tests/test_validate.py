@@ -724,6 +724,21 @@ def test_decode_steps_are_grouped_by_load_and_by_the_steps_since_the_last_idle_g
     assert not [g for g in unlabelled if g["by"] == "load" or "since idle" in g["by"]]
 
 
+def test_segments_are_grouped_by_the_page_faults_they_took():
+    """A segment's minor faults (host memory mapped mid-segment, 0.1 ms each on the H200's VM)
+    go into the rows and a "page faults" group; uncounted ones (None) into neither group."""
+    latency = LatencyModel(linear_profile(), RoutingModel(4, 8, 2))
+    decode = [("decode", 1, 20)]
+    end = latency.plan(shape_batch("decode", decode)).num_stages
+    first = Segment(0, "decode", decode, 0, end, 0.0, 0.014, 0.0, False, faults=0)
+    segs = [first, replace(first, batch=1, faults=7), replace(first, batch=2, faults=350),
+            replace(first, batch=3, faults=None)]  # fmt: skip
+    rows = iteration_rows("fcfs", 1.0, 0, segs, latency)
+    assert [r["faults"] for r in rows][:3] == [0, 7, 350] and math.isnan(rows[3]["faults"])
+    groups = {g["value"]: g["n"] for g in iteration_errors(rows) if g["by"] == "page faults"}
+    assert groups == {"<=0": 1, "<=10": 1, "<=1000": 1}
+
+
 def test_a_machine_slower_in_a_light_loads_pattern_is_warned_about():
     summary = {"classes": {c: {"count": 1, "ttft_s": {"mean": 1.0},
                                "turnaround_s": {"mean": 2.0}} for c in CLASSES},
