@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from profiler.models import ModelError
-from profiler.schema import ProfileError
+from profiler.schema import ProfileError, SettingsError
+from profiler.settings import Settings
 from sim.cli import CONF_DIR, App, job, run
 from sim.cli import fail as fail_as
 from sim.config import UserError
@@ -26,17 +27,16 @@ def check(cfg: DictConfig) -> None:
         ("seed", isinstance(cfg.seed, int), "must be an integer"),
         ("threads", cfg.threads is None or (isinstance(cfg.threads, int) and cfg.threads >= 1),
          "must be an integer >= 1 or null"),
-        ("warmup", isinstance(cfg.warmup, int) and cfg.warmup >= 0, "must be an integer >= 0"),
-        ("decode_warmup", isinstance(cfg.decode_warmup, int) and cfg.decode_warmup >= 0,
-         "must be an integer >= 0"),
-        ("repeats", isinstance(cfg.repeats, int) and cfg.repeats >= 1, "must be an integer >= 1"),
-        ("clock", cfg.clock in ("wall", "process"), "must be wall or process"),
         ("device", cfg.device in ("auto", "cpu") or str(cfg.device).startswith("cuda"),
          "must be auto, cpu, cuda or cuda:<index>"),
         ("progress", isinstance(cfg.progress, bool), "must be true or false"),
     ):  # fmt: skip
         if not ok:
             raise UserError(f"{key}={cfg[key]}: {allowed}")
+    try:  # every rule of the profiler's settings (profiler.settings: torch-free)
+        Settings.from_config(cfg)
+    except SettingsError as e:
+        raise UserError(str(e)) from None
 
 
 APP = App(PROG, "profiler", ("model",), free_keys=("model.config",), check=check,

@@ -247,10 +247,14 @@ class SettingsError(ValueError):
     """A profiler setting is out of range."""
 
 
-def setting_int(key: str, value: Any) -> int:
-    """A setting that must be an integer: a float or a string is refused, not truncated."""
+def setting_int(key: str, value: Any, least: int | None = None) -> int:
+    """A setting that must be an integer (``least`` or more, where given): a float or a string
+    is refused, not truncated."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SettingsError(f"{key}={value}: must be an integer")
+        raise SettingsError(f"{key}={value}: must be an integer"
+                            + ("" if least is None else f" >= {least}"))  # fmt: skip
+    if least is not None and value < least:
+        raise SettingsError(f"{key}={value}: must be an integer >= {least}")
     return value
 
 

@@ -119,21 +119,8 @@ def check(cfg: DictConfig) -> None:
             raise UserError(f"policies: {name} is not a policy; choose from {', '.join(known)}")
     # the workload and slo checks, before the minutes of profiling
     validate_shared(cfg, OmegaConf.load(CONF_DIR / "policy" / f"{cfg.policies[0]}.yaml"))
-    if cfg.profile.get("path") is None:  # the grid too, before any output is written
-        try:
-            covering_grid(OmegaConf.to_container(cfg.profile.grid), 0, 0, 0)
-        except SettingsError as e:
-            raise UserError(f"profile.{e}") from None
-        prof, wake = cfg.profile, cfg.profile.get("wake") or {}
-        settings = (("warmup", prof.get("warmup"), 0),
-                    ("decode_warmup", prof.get("decode_warmup"), 0),
-                    ("repeats", prof.get("repeats"), 1),
-                    ("wake.prompt_tokens", wake.get("prompt_tokens"), 1))  # fmt: skip
-        for key, value, least in settings:
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < least):  # fmt: skip
-                raise UserError(f"profile.{key}={value}: must be an integer >= {least}")
-        passes_per_round(cfg)
+    if cfg.profile.get("path") is None:  # every rule of the profiler's settings, the grid's
+        profile_settings(cfg, profile_settings_cfg(cfg), (0, 0, 0))  # before any output
 
 
 def passes_per_round(cfg: DictConfig) -> tuple[int, int]:
@@ -148,6 +135,33 @@ def passes_per_round(cfg: DictConfig) -> tuple[int, int]:
     if not isinstance(repeats, int) or repeats < 1:  # Settings rejects it
         return asked, asked
     return asked, max(1, min(asked, repeats // (cfg.replays + 1)))
+
+
+def profile_settings_cfg(cfg: DictConfig) -> dict:
+    """The profiler's settings as ``cfg.profile`` gives them (but ``path``), its null clock the
+    runs' (CPU time: the process clock), its ``passes`` the rounds' (``passes_per_round``)."""
+    settings_cfg = {k: v for k, v in OmegaConf.to_container(cfg.profile).items()
+                    if k not in ("path", "passes_per_round")}  # fmt: skip
+    if settings_cfg.get("clock") is None:
+        settings_cfg["clock"] = "process" if ClockKind(cfg.clock) is ClockKind.cpu else "wall"
+    settings_cfg["passes"] = (cfg.replays + 1) * passes_per_round(cfg)[1]
+    return settings_cfg
+
+
+def profile_settings(cfg: DictConfig, settings_cfg: dict, cover: tuple[int, ...]):
+    """(``profiler.settings.Settings``, the grid points added): the settings with the grid
+    extended to cover (``covering_grid``: largest batch, longest prompt, longest context[,
+    largest batched prefill]), through every rule of ``Settings``, each a one-line UserError
+    under ``profile.``. torch-free: ``check`` runs it before any output is written."""
+    from profiler.settings import Settings
+
+    try:
+        grid, added = covering_grid(settings_cfg["grid"], *cover)
+        return Settings.from_config({**settings_cfg, "grid": grid, "seed": cfg.seed}), added
+    except SettingsError as e:  # its message starts with the key, under profile.
+        raise UserError(f"profile.{e}") from None
+    except KeyError as e:
+        raise UserError(f"profile: {e}") from None
 
 
 def sim_config(cfg: DictConfig, policy: str, profile_dir: Path) -> DictConfig:
@@ -276,33 +290,22 @@ class ProfileSource:
                 shutil.copytree(Path(path), self.directory)
             self.profile = profile
             return
-        from profiler.measure import Profiler, Settings
+        from profiler.measure import Profiler
 
-        settings_cfg = {k: v for k, v in OmegaConf.to_container(cfg.profile).items()
-                        if k != "path"}  # fmt: skip
+        settings_cfg = profile_settings_cfg(cfg)
         runs_clock = "process" if ClockKind(cfg.clock) is ClockKind.cpu else "wall"
-        if settings_cfg.get("clock") is None:  # the runs' clock: CPU time is the process clock
-            settings_cfg["clock"] = runs_clock
-        elif settings_cfg["clock"] != runs_clock:  # as for a profile.path timed on another
+        if settings_cfg["clock"] != runs_clock:  # as for a profile.path timed on another
             print(f"warning: profile.clock={settings_cfg['clock']}: the profile is timed on the "
                   f"{settings_cfg['clock']} clock, these runs on the {runs_clock} clock "
                   f"(clock={ClockKind(cfg.clock).value}): their errors mix the two",
                   file=sys.stderr)  # fmt: skip
         asked, per_round = passes_per_round(cfg)
-        settings_cfg.pop("passes_per_round", None)
         if per_round < asked:
             print(f"warning: profile.passes_per_round={asked}: {per_round} per round (a pass "
                   f"needs a repeat: profile.repeats={cfg.profile.repeats} over "
                   f"{cfg.replays + 1} rounds)", file=sys.stderr)  # fmt: skip
         self.per_round = per_round
-        settings_cfg["passes"] = (cfg.replays + 1) * per_round
-        try:
-            settings_cfg["grid"], added = covering_grid(settings_cfg["grid"], *cover)
-            settings = Settings.from_config({**settings_cfg, "seed": cfg.seed})
-        except SettingsError as e:  # its message starts with the key, under profile.
-            raise UserError(f"profile.{e}") from None
-        except KeyError as e:
-            raise UserError(f"profile: {e}") from None
+        settings, added = profile_settings(cfg, settings_cfg, cover)
         if added:
             print(f"profile grid extended to cover the runs: {', '.join(added)}")
         self.prof = Profiler(runner, settings, info.device, probe)

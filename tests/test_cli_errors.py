@@ -63,6 +63,14 @@ CASES = (
        ("qllm-validate", ["profile.repeats=0"], "profile.repeats=0: must be an integer >= 1"),
        ("qllm-validate", ["profile.wake.prompt_tokens=0"],
         "profile.wake.prompt_tokens=0: must be an integer >= 1"),
+       # every rule of profiler.settings.Settings, before torch and before any output
+       ("qllm-validate", ["profile.wake.repeats=0"],
+        "profile.wake.repeats=0: must be an integer >= 1"),
+       ("qllm-validate", ["profile.routing.prompts=0"],
+        "profile.routing.prompts=0: must be an integer >= 1"),
+       ("qllm-profile", ["routing.prompt_tokens=0"],
+        "routing.prompt_tokens=0: must be an integer >= 1"),
+       ("qllm-profile", ["clock=cpu"], "clock=cpu: expected one of wall, process"),
        ("qllm-profile", ["model=nope"], "model=nope: unknown model; choose one of")]
     # a grid that is not a list of integers: '16' was profiled as batches 1 and 6, 1.5 as 1
     + [(prog, [f"{pre}grid.decode_batch={v}"], f"{pre}grid.decode_batch={said}: must be a list "

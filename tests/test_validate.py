@@ -611,7 +611,7 @@ def test_the_profile_gets_fewer_passes_per_round_where_its_repeats_run_out(tmp_p
     assert default.replays == 3 and passes_per_round(default) == (3, 3)
     assert passes_per_round(few) == (3, 1) and passes_per_round(one) == (1, 1)
     runner, info = load_model(few)
-    with pytest.raises(UserError, match="warmup >= 0"):
+    with pytest.raises(UserError, match="profile.warmup=-1: must be an integer >= 0"):
         ProfileSource(few, runner, info, tmp_path / "out", (1, 1, 1, 1))
     err = capsys.readouterr().err
     assert ("warning: profile.passes_per_round=3: 1 per round (a pass needs a repeat: "
