@@ -20,7 +20,11 @@ each, under glibc's default allocator first:
 
 Per phase: median, p10, p90 (ms), the share of steps slower than 1.25x the run's overall p10
 ("slow"), the minor page faults per step (median, mean) and the correlation of a step's time
-with its faults, and the GPU's SM clock before and after (nvidia-smi, when present).
+with its faults; a pure-Python probe timed before each step (``cpu_probe_ms``) and its
+correlation with the step's time, the host's steal time over the phase (/proc/stat), to tell
+a machine-wide slow state of the host CPU (the second machine of run 3 profiled 1.5x slow
+throughout) from the GPU's; and the GPU's SM clock before and after (nvidia-smi, when
+present).
 """
 
 from __future__ import annotations
@@ -53,15 +57,45 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def summarize(name: str, ms: list[float], faults: list[int], fast_ms: float) -> dict:
-    t, f = np.array(ms), np.array(faults, dtype=float)
-    corr = float(np.corrcoef(t, f)[0, 1]) if t.std() > 0 and f.std() > 0 else None
+CPU_PROBE_ITERATIONS = 20_000  # about 0.5-1 ms of pure Python
+
+
+def cpu_probe_ms() -> float:
+    """A fixed piece of pure-Python work, timed: the host CPU's own speed beside each step
+    (a machine-wide slow state of the host shows here; one of the GPU does not)."""
+    t = time.perf_counter()
+    x = 0
+    for i in range(CPU_PROBE_ITERATIONS):
+        x += i
+    return 1e3 * (time.perf_counter() - t)
+
+
+def steal_ticks() -> int | None:
+    """The host's steal time so far (/proc/stat, clock ticks): a virtual CPU held off its core
+    by the hypervisor; None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) if fields[0] == "cpu" and len(fields) > 8 else None
+    except (OSError, ValueError):
+        return None
+
+
+def corr(a: np.ndarray, b: np.ndarray) -> float | None:
+    return float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else None
+
+
+def summarize(name: str, ms: list[float], faults: list[int], cpu_ms: list[float],
+              fast_ms: float) -> dict:  # fmt: skip
+    t, f, c = np.array(ms), np.array(faults, dtype=float), np.array(cpu_ms)
     return {"phase": name, "median_ms": float(np.median(t)),
             "p10_ms": float(np.percentile(t, 10)), "p90_ms": float(np.percentile(t, 90)),
             "slow_share": float(np.mean(t > 1.25 * fast_ms)),
             "faults_median": float(np.median(f)), "faults_mean": float(f.mean()),
-            "corr_ms_faults": corr,
-            "series_ms": [round(float(x), 3) for x in t], "series_faults": faults}  # fmt: skip
+            "corr_ms_faults": corr(t, f),
+            "cpu_probe_median_ms": float(np.median(c)), "corr_ms_cpu_probe": corr(t, c),
+            "series_ms": [round(float(x), 3) for x in t], "series_faults": faults,
+            "series_cpu_probe_ms": [round(float(x), 4) for x in c]}  # fmt: skip
 
 
 def main() -> None:
@@ -96,9 +130,10 @@ def main() -> None:
         if name == "growing-retained":
             retained = retain_freed_memory()
             print(f"retain_freed_memory: {retained}")
-        clock_before = sm_clock_mhz()
-        ms, faults = [], []
+        clock_before, steal_before = sm_clock_mhz(), steal_ticks()
+        ms, faults, cpu_ms = [], [], []
         for i in range(args.steps):
+            cpu_ms.append(cpu_probe_ms())  # the host CPU's speed right before the step
             f = minor_faults()
             t = time.perf_counter()
             runner.run(runner.begin(seqs))  # returns tokens: the device has finished
@@ -107,19 +142,27 @@ def main() -> None:
             if name == "rewound" or (i + 1) % args.grow == 0:
                 rewind()
         rewind()
-        raw.append((name, ms, faults))
-        clocks.append((clock_before, sm_clock_mhz()))
-    fast = float(np.percentile([x for _, ms, _ in raw for x in ms], 10))
+        steal_after = steal_ticks()
+        raw.append((name, ms, faults, cpu_ms))
+        clocks.append((clock_before, sm_clock_mhz(), None if steal_before is None
+                       or steal_after is None else steal_after - steal_before))  # fmt: skip
+    fast = float(np.percentile([x for _, ms, _, _ in raw for x in ms], 10))
     phases = []
-    for (name, ms, faults), (before, after) in zip(raw, clocks, strict=True):
-        p = summarize(name, ms, faults, fast)
-        p.update(sm_clock_before_mhz=before, sm_clock_after_mhz=after)
+    for (name, ms, faults, cpu_ms), (before, after, steal) in zip(raw, clocks, strict=True):
+        p = summarize(name, ms, faults, cpu_ms, fast)
+        p.update(sm_clock_before_mhz=before, sm_clock_after_mhz=after, steal_ticks=steal)
         phases.append(p)
-        corr = "-" if p["corr_ms_faults"] is None else f"{p['corr_ms_faults']:.2f}"
+
+        def shown(x):
+            return "-" if x is None else f"{x:.2f}"
+
         print(f"phase={name} median_ms={p['median_ms']:.2f} p10_ms={p['p10_ms']:.2f} "
               f"p90_ms={p['p90_ms']:.2f} slow_share={p['slow_share']:.2f} "
               f"faults_per_step={p['faults_median']:.0f} (mean {p['faults_mean']:.1f}) "
-              f"corr(ms, faults)={corr} sm_clock_mhz={before}->{after}")  # fmt: skip
+              f"corr(ms, faults)={shown(p['corr_ms_faults'])} "
+              f"cpu_probe_ms={p['cpu_probe_median_ms']:.3f} "
+              f"corr(ms, cpu_probe)={shown(p['corr_ms_cpu_probe'])} steal_ticks={steal} "
+              f"sm_clock_mhz={before}->{after}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "fast_p10_ms": fast, "phases": phases}, f, indent=1)
