@@ -953,3 +953,18 @@ def test_phases_add_up_each_phase_and_name_the_rest_other(monkeypatch):
     with pytest.raises(KeyError), phases("simulation"):  # a failing block counts too
         {}["x"]
     assert phases.seconds["simulation"] == 1.0
+
+
+def test_the_curated_summary_and_the_readme_table_are_what_the_curated_records_give():
+    """results/validation/summary.md is `make validate`'s table of the curated records, and the
+    README's "Latest run" table is that table: neither edited by hand nor left stale when the
+    records are replaced (a wrong number printed without a warning)."""
+    root = Path(__file__).resolve().parent.parent
+    curated = root / "results" / "validation"
+    summary = (curated / "summary.md").read_text()
+    assert validation_table.table(curated).strip() == summary.strip()
+    readme = (root / "README.md").read_text()
+    latest = readme[readme.index("**Latest run**") :]
+    rows = [line for line in latest.splitlines() if line.startswith("| tiny-")]
+    summary_rows = [line for line in summary.splitlines() if line.startswith("| tiny-")]
+    assert rows[: len(summary_rows)] == summary_rows
