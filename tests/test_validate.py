@@ -968,3 +968,16 @@ def test_the_curated_summary_and_the_readme_table_are_what_the_curated_records_g
     rows = [line for line in latest.splitlines() if line.startswith("| tiny-")]
     summary_rows = [line for line in summary.splitlines() if line.startswith("| tiny-")]
     assert rows[: len(summary_rows)] == summary_rows
+    # and its headline counts per load are those rows' sums (within 10%, of 60)
+    per_load = {}
+    for row in summary_rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        raw, normalized = int(cells[5].split(" of")[0]), int(cells[8].split(" of")[0])
+        sums = per_load.setdefault(cells[1], [0, 0])
+        sums[0], sums[1] = sums[0] + raw, sums[1] + normalized
+    for which, column in (("the simulator", 0), ("host-normalized", 1)):
+        said = re.search(rf"\*\*{which}: light (\d+), knee (\d+), overload\s+(\d+)\*\*", latest)
+        assert said, which
+        assert [int(n) for n in said.groups()] == [
+            per_load[load][column] for load in ("light", "knee", "overload")
+        ]
