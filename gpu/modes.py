@@ -85,6 +85,10 @@ def corr(a: np.ndarray, b: np.ndarray) -> float | None:
     return float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else None
 
 
+def shown(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def summarize(name: str, ms: list[float], faults: list[int], cpu_ms: list[float],
               fast_ms: float) -> dict:  # fmt: skip
     t, f, c = np.array(ms), np.array(faults, dtype=float), np.array(cpu_ms)
@@ -152,10 +156,6 @@ def main() -> None:
         p = summarize(name, ms, faults, cpu_ms, fast)
         p.update(sm_clock_before_mhz=before, sm_clock_after_mhz=after, steal_ticks=steal)
         phases.append(p)
-
-        def shown(x):
-            return "-" if x is None else f"{x:.2f}"
-
         print(f"phase={name} median_ms={p['median_ms']:.2f} p10_ms={p['p10_ms']:.2f} "
               f"p90_ms={p['p90_ms']:.2f} slow_share={p['slow_share']:.2f} "
               f"faults_per_step={p['faults_median']:.0f} (mean {p['faults_mean']:.1f}) "
