@@ -82,7 +82,7 @@ def retain_freed_memory() -> bool:
     model's (serving engines preallocate their KV). On the H200 (a Firecracker VM, 2026-12-04,
     results/gpu/h200/run3) the CUDA engine's host side page-faulted too, 70-318 times per
     iteration by run, and each run's speed against its profile followed that count (1.12x at
-    70, 1.30x at 123-186, 1.41x at 261, 1.90x at 318: some 0.1 ms a fault), so every
+    70, 1.29x-1.31x at 123-186, 1.41x at 261, 1.90x at 318: some 0.1-0.2 ms a fault), so every
     ``ModelRunner`` calls it whatever its device (not yet run on a GPU with it). Process-wide,
     and once, so the profile and the runs are timed under the same allocator."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":

@@ -38,7 +38,7 @@ class Settings:
     # untimed steps of a decode shape after its sequences' prefill, before its timed ones
     # (``Profiler.decode``): the steps right after a prefill run slower than a run's steps
     # in a row, and one untimed step does not take all of it out (DECODE_WARMUP)
-    decode_warmup: int = 3
+    decode_warmup: int = DECODE_WARMUP
     repeats: int = 10
     clock: str = "wall"
     routing_prompts: int = 8
