@@ -1,18 +1,18 @@
 """``python -m realrun.validation_table DIR``: one markdown table over every validation under
 DIR (``<DIR>/<model>-<device>/validation.json``, as ``make validate`` writes them): per model
-and load level, the clock the real runs were timed on (wall, or cpu: ``clock=cpu``), the worst
-and median per-class mean error, how many are within 10%, the throughput error, the real
-engine's own spread (the replays' worst CV), the host-normalized comparison (how many
-per-class means are within 10% once the profile is scaled by the host's speed during each real
-run as the probe between its iterations measured it, ``profiler.probe``; "-" for validations
-written before it, 2026-12-03), the speed-adjusted diagnostic (how many
-per-class means are within 10% once each real run's measured speed scales the profile; "-"
-for validations written before it), and how many per-class means are ill-conditioned (the
-simulator's figure moves more than 10% with every iteration ``sensitivity_pct`` faster or
-slower; "-" for validations written before it), and how many per-class means the simulator
-puts within the real replays' own min-max range (below it, above it): a simulator exact on a
-point's real median would be in that range with probability 1 - 2^(1 - replays), 75% at 3
-replays ("-" with one replay).
+(and workload, where it is not the default synthetic one) and load level, the clock the real
+runs were timed on (wall, or cpu: ``clock=cpu``), the worst and median per-class mean error,
+how many are within 10%, the throughput error, the real engine's own spread (the replays' worst
+CV), the host-normalized comparison (how many per-class means are within 10% once the profile
+is scaled by the host's speed during each real run as the probe between its iterations measured
+it, ``profiler.probe``; "-" for validations written before it, 2026-12-03), the speed-adjusted
+diagnostic (how many per-class means are within 10% once each real run's measured speed scales
+the profile; "-" for validations written before it), and how many per-class means are
+ill-conditioned (the simulator's figure moves more than 10% with every iteration
+``sensitivity_pct`` faster or slower; "-" for validations written before it), and how many
+per-class means the simulator puts within the real replays' own min-max range (below it, above
+it): a simulator exact on a point's real median would be in that range with probability 1 -
+2^(1 - replays), 75% at 3 replays ("-" with one replay).
 
 Beside the simulator's count within 10%, what the real engine's own spread allows
 (``noise_floor``): how many per-class means a simulator exact on each point's true mean would
@@ -125,6 +125,35 @@ def clock_of(directory: Path) -> str:
     return "wall"
 
 
+# qllm-validate's own workload (conf/validate.yaml): the table names any other
+DEFAULT_WORKLOAD = "synthetic"
+
+
+def workload_of(directory: Path) -> str | None:
+    """The workload's name in the validation in ``directory`` (its config.yaml's
+    ``workload.name``), or None where it has none."""
+    config = directory / "config.yaml"
+    if not config.is_file():
+        return None
+    inside = False
+    for line in config.read_text().splitlines():
+        if not line.startswith(" "):
+            inside = line.rstrip() == "workload:"
+        elif inside and line.startswith("  name:"):
+            return line.split(":", 1)[1].strip() or None
+    return None
+
+
+def label_of(directory: Path) -> str:
+    """The table's name for the validation in ``directory``: its folder's name, and its
+    workload's where that is not qllm-validate's default and the name does not say it."""
+    workload = workload_of(directory)
+    name = directory.name
+    if workload in (None, DEFAULT_WORKLOAD) or workload in name:
+        return name
+    return f"{name} ({workload})"
+
+
 def rows_of(name: str, records: list[dict], clock: str = "?") -> list[str]:
     rows = []
     loads = sorted({r["load"] for r in records}, key=lambda x: LOADS.index(x) if x in LOADS else 9)
@@ -186,7 +215,7 @@ def table(root: Path) -> str:
         records = json.loads(path.read_text())
         if not records or "load" not in records[0]:
             raise ValueError(f"{path}: written by an older qllm-validate (no load field)")
-        lines += rows_of(path.parent.name, records, clock_of(path.parent))
+        lines += rows_of(label_of(path.parent), records, clock_of(path.parent))
     return "\n".join(lines)
 
 

@@ -414,6 +414,46 @@ def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
     assert e.value.code == 2
 
 
+def test_the_summary_table_names_a_workload_other_than_the_default(tmp_path, capsys):
+    """Two validations of one model on two workloads must not print as two rows of the same
+    name: the table names the workload from config.yaml (as write_config writes it) unless it
+    is validate's default or the folder's name already says it."""
+    summary = {"classes": {c: {"count": 2, "ttft_s": {"mean": 1.0},
+                               "turnaround_s": {"mean": 2.0}} for c in CLASSES},
+               "throughput": {"jobs_per_s": 4.0}}  # fmt: skip
+    records = records_of("qllm", 1.0, "light", [summary, summary], summary)
+    named = {}
+    for folder, workload in (
+        ("tiny-a-cpu", "humaneval"),
+        ("tiny-b-cpu", "synthetic"),
+        ("tiny-c-sharegpt", "sharegpt"),
+        ("tiny-d-cpu", None),
+    ):
+        out = tmp_path / folder
+        out.mkdir()
+        (out / "validation.json").write_text(json.dumps(records))
+        if workload is not None:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = compose("validate", overrides=[f"workload={workload}", "clock=cpu"])
+            validate.write_config(out, cfg, [1.0])
+            assert validation_table.workload_of(out) == workload
+        named[folder] = validation_table.label_of(out)
+    assert named == {
+        "tiny-a-cpu": "tiny-a-cpu (humaneval)",
+        "tiny-b-cpu": "tiny-b-cpu",
+        "tiny-c-sharegpt": "tiny-c-sharegpt",
+        "tiny-d-cpu": "tiny-d-cpu",
+    }
+    validation_table.main([str(tmp_path)])
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| tiny-a-cpu (humaneval)",
+        "| tiny-b-cpu",
+        "| tiny-c-sharegpt",
+        "| tiny-d-cpu",
+    ]
+
+
 def test_a_machine_that_drifted_is_warned_about():
     summary = {"classes": {c: {"count": 0} for c in CLASSES}, "throughput": {"jobs_per_s": 1.0}}
     steady = records_of("fcfs", 1.0, "light", [summary], summary, 2.5)
@@ -981,3 +1021,33 @@ def test_the_curated_summary_and_the_readme_table_are_what_the_curated_records_g
         assert [int(n) for n in said.groups()] == [
             per_load[load][column] for load in ("light", "knee", "overload")
         ]
+
+
+def test_the_curated_workloads_summary_and_its_readme_table_are_the_records():
+    """results/validation-workloads/summary.md (`make validate-workloads`) is the table of its
+    curated records, each of the workload its row names, and the README's "Other workloads"
+    table is that table, and its headline counts (the simulator's and host-normalized, of 36
+    per workload) are those rows' sums."""
+    root = Path(__file__).resolve().parent.parent
+    curated = root / "results" / "validation-workloads"
+    summary = (curated / "summary.md").read_text()
+    assert validation_table.table(curated).strip() == summary.strip()
+    folders = sorted(p.parent for p in curated.glob("*/validation.json"))
+    assert [validation_table.workload_of(f) for f in folders] == ["humaneval", "sharegpt"]
+    assert all(f.name.endswith(validation_table.workload_of(f)) for f in folders)
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("**Other workloads**") :]
+    summary_rows = [line for line in summary.splitlines() if line.startswith("| tiny-")]
+    rows = [line for line in section.splitlines() if line.startswith("| tiny-")]
+    assert rows[: len(summary_rows)] == summary_rows
+    sums = {}
+    for row in summary_rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        per = sums.setdefault(cells[0], [0, 0])
+        per[0] += int(cells[5].split(" of")[0])
+        per[1] += int(cells[8].split(" of")[0])
+    raw, normalized = zip(*sums.values(), strict=True)
+    said = re.search(r"The simulator (\d+) and (\d+) of 36 per-class means within 10%", section)
+    assert said and [int(n) for n in said.groups()] == list(raw)
+    said = re.search(r"\*\*host-normalized (\d+) and (\d+) of 36\*\*", section)
+    assert said and [int(n) for n in said.groups()] == list(normalized)
