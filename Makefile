@@ -38,7 +38,7 @@ validate: venv
 # The simulator on the workloads validate is not sized for: HumanEval's prompts and outputs,
 # and ShareGPT's prompts with outputs capped at 50 tokens (as the paper's reproduction runs
 # them), on tiny-mixtral -> the curated results/validation-workloads/ and its summary.md.
-# About 18 minutes.
+# About 17 minutes (16 to 17.5 measured).
 WORKLOADS := humaneval sharegpt
 validate-workloads: venv
 	for w in $(WORKLOADS); do $(BIN)/qllm-validate workload=$$w name=tiny-mixtral-$$w \

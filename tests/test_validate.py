@@ -995,25 +995,36 @@ def test_phases_add_up_each_phase_and_name_the_rest_other(monkeypatch):
     assert phases.seconds["simulation"] == 1.0
 
 
+def curated_table(folder: str, marker: str) -> tuple[str, list[str]]:
+    """results/<folder>/summary.md is the table of its curated records, and the README's
+    table after ``marker`` starts with its rows: (the README from ``marker`` on, the rows)."""
+    curated = ROOT / "results" / folder
+    summary = (curated / "summary.md").read_text()
+    assert validation_table.table(curated).strip() == summary.strip()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index(marker) :]
+    rows = [line for line in section.splitlines() if line.startswith("| tiny-")]
+    summary_rows = [line for line in summary.splitlines() if line.startswith("| tiny-")]
+    assert summary_rows and rows[: len(summary_rows)] == summary_rows
+    return section, summary_rows
+
+
+def row_counts(row: str) -> tuple[str, str, int, int]:
+    """A summary row's (name, load, the simulator's count within 10%, host-normalized's)."""
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    return cells[0], cells[1], int(cells[5].split(" of")[0]), int(cells[8].split(" of")[0])
+
+
 def test_the_curated_summary_and_the_readme_table_are_what_the_curated_records_give():
     """results/validation/summary.md is `make validate`'s table of the curated records, and the
     README's "Latest run" table is that table: neither edited by hand nor left stale when the
     records are replaced (a wrong number printed without a warning)."""
-    root = Path(__file__).resolve().parent.parent
-    curated = root / "results" / "validation"
-    summary = (curated / "summary.md").read_text()
-    assert validation_table.table(curated).strip() == summary.strip()
-    readme = (root / "README.md").read_text()
-    latest = readme[readme.index("**Latest run**") :]
-    rows = [line for line in latest.splitlines() if line.startswith("| tiny-")]
-    summary_rows = [line for line in summary.splitlines() if line.startswith("| tiny-")]
-    assert rows[: len(summary_rows)] == summary_rows
+    latest, summary_rows = curated_table("validation", "**Latest run**")
     # and its headline counts per load are those rows' sums (within 10%, of 60)
     per_load = {}
     for row in summary_rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        raw, normalized = int(cells[5].split(" of")[0]), int(cells[8].split(" of")[0])
-        sums = per_load.setdefault(cells[1], [0, 0])
+        _, load, raw, normalized = row_counts(row)
+        sums = per_load.setdefault(load, [0, 0])
         sums[0], sums[1] = sums[0] + raw, sums[1] + normalized
     for which, column in (("the simulator", 0), ("host-normalized", 1)):
         said = re.search(rf"\*\*{which}: light (\d+), knee (\d+), overload\s+(\d+)\*\*", latest)
@@ -1028,24 +1039,16 @@ def test_the_curated_workloads_summary_and_its_readme_table_are_the_records():
     curated records, each of the workload its row names, and the README's "Other workloads"
     table is that table, and its headline counts (the simulator's and host-normalized, of 36
     per workload) are those rows' sums."""
-    root = Path(__file__).resolve().parent.parent
-    curated = root / "results" / "validation-workloads"
-    summary = (curated / "summary.md").read_text()
-    assert validation_table.table(curated).strip() == summary.strip()
+    section, summary_rows = curated_table("validation-workloads", "**Other workloads**")
+    curated = ROOT / "results" / "validation-workloads"
     folders = sorted(p.parent for p in curated.glob("*/validation.json"))
     assert [validation_table.workload_of(f) for f in folders] == ["humaneval", "sharegpt"]
     assert all(f.name.endswith(validation_table.workload_of(f)) for f in folders)
-    readme = (root / "README.md").read_text()
-    section = readme[readme.index("**Other workloads**") :]
-    summary_rows = [line for line in summary.splitlines() if line.startswith("| tiny-")]
-    rows = [line for line in section.splitlines() if line.startswith("| tiny-")]
-    assert rows[: len(summary_rows)] == summary_rows
     sums = {}
     for row in summary_rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        per = sums.setdefault(cells[0], [0, 0])
-        per[0] += int(cells[5].split(" of")[0])
-        per[1] += int(cells[8].split(" of")[0])
+        name, _, raw, normalized = row_counts(row)
+        per = sums.setdefault(name, [0, 0])
+        per[0], per[1] = per[0] + raw, per[1] + normalized
     raw, normalized = zip(*sums.values(), strict=True)
     said = re.search(r"The simulator (\d+) and (\d+) of 36 per-class means within 10%", section)
     assert said and [int(n) for n in said.groups()] == list(raw)
