@@ -4,8 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint format reproduce validate validate-workloads bench mutation clean test-tf517 gpu-bundle \
-	gpu-check-dry
+.PHONY: venv demo test lint format reproduce validate validate-workloads bench mutation clean \
+	test-tf517 gpu-bundle gpu-check-dry
 
 venv: $(STAMP)
 
