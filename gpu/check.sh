@@ -20,7 +20,8 @@
 # returns the earlier steps. At most 8 files come back from $OUT: these are 8.
 #
 # QLLM_CHECK_STEPS="env validate" runs only the steps named (default: the six above), for a
-# rerun of one step in what is left of a device lease; "env modes" runs gpu/modes.py (~1 min).
+# rerun of one step in what is left of a device lease; "env modes" runs gpu/modes.py (~1 min),
+# "env faults" gpu/faults.py (~2 min: the engine three times, each fault charged to its place).
 # QLLM_CHECK_PIN=N pins the validate step to CPU core N.
 # QLLM_CHECK_DRY=1 (make gpu-check-dry): the same steps on the CPU with tiny-mixtral and small
 # grids, the GPU machine's missing packages hidden (gpu/dry/sitecustomize.py).
@@ -95,6 +96,8 @@ if [ "$DRY" = 1 ]; then
   PREEMPTION_ARGS=(--be 2 --be-prompt 16 --be-output 12 --ls 3 --ls-rate 20 --ls-after-s 0.05
     --ls-prompt 8 --policies iteration qllm)
   LIMITS=(30 120 150 30 60 90)
+  FAULTS_ARGS=(threads=1 workload.num_requests=6 workload.prompt.tokens=16 workload.prompt.max=32
+    workload.output.tokens=4 workload.output.max=6)
 else
   DEVICE=cuda MODEL=mixtral-8x7b NAME=mixtral-8x7b-h200
   # Lengths of a chat-like mix, cut to fit: 24 requests, outputs ~16 tokens. Loads 0.6, 2 and 6
@@ -120,6 +123,7 @@ else
   # validate 420 s: 290 s pinned in run 3 (2026-12-04), and over 314 s (cut) on a machine in
   # its slow state; the deadline still caps it
   LIMITS=(30 90 420 30 110 90)
+  FAULTS_ARGS=(threads=null)  # the validation's workload near its knee (gpu/faults.py's defaults)
 fi
 
 step env "${LIMITS[0]}" env.json bash -c \
@@ -129,9 +133,26 @@ step smoke "${LIMITS[1]}" smoke.json $PY -m gpu.smoke --device "$DEVICE" --json 
 # (gpu/modes.py: the same step repeated, growing contexts, then growing under the allocator
 # that keeps freed memory), to tell whether the validation's slow mode is host memory mapped
 # mid-step. Before validate, so that a lease's deadline cuts the long step, not this one.
+# Not in the default steps either: the real engine itself run three times (glibc's and Python's
+# allocators as they are, PYTHONMALLOC=malloc, MALLOC_ARENA_MAX=1), each fault charged to a
+# stage kind, the main thread or not, and the segment's resident memory and Python arenas
+# (gpu/faults.py): where run 4's 113-266 faults a segment come from.
+step faults 200 faults.json $PY -m gpu.faults --json "$R/faults.json" --env "" \
+  --env PYTHONMALLOC=malloc --env MALLOC_ARENA_MAX=1 model="$MODEL" device="$DEVICE" \
+  "${FAULTS_ARGS[@]}"
+# The validation below runs under the variant that took under a quarter of the default's faults
+# (the fewest), where the default took 20 or more a segment: does the slow mode go with them?
+VALIDATE_ENV=()
+if [ -f "$R/faults.json" ]; then
+  CHOSEN=$($PY -m gpu.faults --choose "$R/faults.json") || CHOSEN=""
+  if [ -n "$CHOSEN" ]; then
+    VALIDATE_ENV=(env ${CHOSEN//,/ })
+    echo "check: validate runs under $CHOSEN (gpu/faults.py's choice)" | tee -a "$R/faults.log"
+  fi
+fi
 step modes 150 modes.json $PY -m gpu.modes --model "$MODEL" --device "$DEVICE" \
   --steps "$([ "$DRY" = 1 ] && echo 20 || echo 300)" --json "$R/modes.json"
-step validate "${LIMITS[2]}" "$NAME/validation.json" "${PIN_CMD[@]}" $PY -m realrun.validate model="$MODEL" device="$DEVICE" \
+step validate "${LIMITS[2]}" "$NAME/validation.json" "${VALIDATE_ENV[@]}" "${PIN_CMD[@]}" $PY -m realrun.validate model="$MODEL" device="$DEVICE" \
   name="$NAME" out_dir="$R" policies=[iteration,qllm] workload=synthetic \
   workload.ls_fraction=0.3 progress=false "${VALIDATE_ARGS[@]}"
 if [ -f "$R/$NAME/iteration_errors.json" ]; then cp "$R/$NAME/iteration_errors.json" "$OUT/"; fi
