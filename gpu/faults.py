@@ -21,10 +21,17 @@ and charges each fault to where it happened:
 
 Each ``--env`` runs the whole thing again in a fresh process with those variables set (e.g.
 ``PYTHONMALLOC=malloc``: Python's small objects from glibc's heap instead of its own
-arenas; ``MALLOC_ARENA_MAX=1``: every thread on glibc's main heap), so the variants are
-compared on one machine in one call. Extra arguments are ``qllm-realrun`` overrides, after
-the defaults below (the GPU check's validation workload: 24 requests, prompts ~128 tokens,
-outputs ~16, iteration-level scheduling).
+arenas; ``MALLOC_ARENA_MAX=1``: every thread on glibc's main heap;
+``GPU_FAULTS_CUDNN_SDPA=1``, read here: cuDNN's attention back on after the runner turned it
+off, ``profiler.ops.no_per_shape_attention_plans``), so the variants are compared on one
+machine in one call. Extra arguments are ``qllm-realrun`` overrides, after the defaults
+below (the GPU check's validation workload: 24 requests, prompts ~128 tokens, outputs ~16,
+iteration-level scheduling).
+
+Run 5 (results/gpu/h200/run5) answered it: every fault was the main thread's, in the
+attention stage, with resident memory climbing ~1 MB a faulting step and none given back, the
+same under all three allocator settings: cuDNN's attention plans, one built and cached for
+each new shape (``no_per_shape_attention_plans``).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from gpu.modes import cpu_probe_ms
 
@@ -119,6 +127,8 @@ def run_once(overrides: list[str]) -> dict:
     def counted_step(self, state):
         if not runner_seen:
             runner_seen.append(self)
+            if os.environ.get("GPU_FAULTS_CUDNN_SDPA") == "1":  # the variant with it back on
+                torch.backends.cuda.enable_cudnn_sdp(True)
         p, t = process_faults(), thread_faults()
         ref = step(self, state)
         dp, dt = process_faults() - p, thread_faults() - t
@@ -154,6 +164,7 @@ def run_once(overrides: list[str]) -> dict:
             "run_faults": out.result.page_faults, "rss_kib_before": rss0,
             "arenas_before": arenas0, "arenas_after": arenas(),
             "retains_memory": bool(runner_seen and runner_seen[0].retains_memory),
+            "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(),
             "stages": {k: {"calls": v[0], "faults": v[1], "thread_faults": v[2]}
                        for k, v in sorted(stages.items())},
             "segments": segments}  # fmt: skip

@@ -97,6 +97,24 @@ def retain_freed_memory() -> bool:
     return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def no_per_shape_attention_plans(device: torch.device) -> bool:
+    """On CUDA, turn off PyTorch's cuDNN backend of ``scaled_dot_product_attention`` (for the
+    whole process, as the setting is); True where it was on and now is off.
+
+    That backend builds a cuDNN execution plan for each new attention shape and caches it
+    (``MHAGraphCache``, unbounded). A decode step's keys have a new length at every step, so
+    on the H200 (2026-12-04, results/gpu/h200/run5, gpu/faults.py) nearly every decode step of
+    the real engine built one: ~205 host page faults and ~1 MB of resident memory a step, all
+    in the attention stage, and such steps ran 1.7x-2.4x their prediction. The profile, whose
+    shapes repeat, never paid it, so no profile term can predict it; a serving engine's
+    attention kernels (FlashAttention, FlashInfer) take any length without a plan. PyTorch
+    then picks flash or memory-efficient attention, which take none either."""
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
+
+
 class KVCacheError(RunnerError):
     """A stage did not write the KV cache it should have (a silent no-op, never tolerated)."""
 
@@ -517,6 +535,7 @@ class ModelRunner:
         # every device: a CUDA engine's host side page-faults too (``retain_freed_memory``);
         # False only for a diagnostic that times the default allocator (gpu/modes.py)
         self.retains_memory = retain_memory and retain_freed_memory()
+        no_per_shape_attention_plans(self.device)
 
     def reserve(self, num_bytes: int) -> int:
         """Map ``num_bytes`` (at most ``MAX_RESERVE_BYTES``) of host memory into the heap now,
