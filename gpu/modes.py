@@ -18,6 +18,11 @@ each, under glibc's default allocator first:
 - ``growing-retained``: the same after ``profiler.ops.retain_freed_memory`` (process-wide and
   for good, so last), as every ``ModelRunner`` now runs.
 
+Run 4 read its third phase wrongly: it fed the very context lengths that the second phase
+had fed after its first rewind, so cuDNN's attention plans for them were already built and
+cached, and that, not the allocator, is why it took no faults (runs 5 and 6, gpu/faults.py).
+Every ``ModelRunner`` on CUDA now turns that backend off, this script's too.
+
 Per phase: median, p10, p90 (ms), the share of steps slower than 1.25x the run's overall p10
 ("slow"), the minor page faults per step (median, mean) and the correlation of a step's time
 with its faults; a pure-Python probe timed before each step (``cpu_probe_ms``) and its

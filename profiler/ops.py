@@ -79,14 +79,12 @@ def retain_freed_memory() -> bool:
     its padded KV buffer, so in the real engine each one paid that: about 2,400 minor faults,
     +4-5 ms (+60%) on a 32-sequence step of tiny-olmoe on a 2-core VM, absent from the
     profile, whose repeated shapes reuse their memory. It is the host allocator's cost, not the
-    model's (serving engines preallocate their KV). On the H200 (a Firecracker VM, 2026-12-04,
-    results/gpu/h200/run3) the CUDA engine's host side page-faulted too, 70-318 times per
-    iteration by run, and each run's speed against its profile followed that count (1.12x at
-    70, 1.29x-1.31x at 123-186, 1.41x at 261, 1.90x at 318: some 0.1-0.2 ms a fault), so every
-    ``ModelRunner`` calls it whatever its device. On the H200 with it (run 4) a decode step on a
-    growing context stopped faulting (33 faults a step to 0.02) but the real runs did not
-    (113-266 a segment): their faults are not all the heap's. Process-wide,
-    and once, so the profile and the runs are timed under the same allocator."""
+    model's (serving engines preallocate their KV). Every ``ModelRunner`` calls it, whatever
+    its device (harmless on CUDA, whose KV is the device's). The H200's page faults
+    (results/gpu/h200/run3-run6) were not the heap's: they stayed under this setting and under
+    ``PYTHONMALLOC=malloc``, and were cuDNN's attention plans
+    (``no_per_shape_attention_plans``). Process-wide, and once, so the profile and the runs
+    are timed under the same allocator."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
@@ -103,12 +101,13 @@ def no_per_shape_attention_plans(device: torch.device) -> bool:
 
     That backend builds a cuDNN execution plan for each new attention shape and caches it
     (``MHAGraphCache``, unbounded). A decode step's keys have a new length at every step, so
-    on the H200 (2026-12-04, results/gpu/h200/run5, gpu/faults.py) nearly every decode step of
-    the real engine built one: ~205 host page faults and ~1 MB of resident memory a step, all
-    in the attention stage, and such steps ran 1.7x-2.4x their prediction. The profile, whose
-    shapes repeat, never paid it, so no profile term can predict it; a serving engine's
-    attention kernels (FlashAttention, FlashInfer) take any length without a plan. PyTorch
-    then picks flash or memory-efficient attention, which take none either."""
+    on the H200 (2026-12-04, results/gpu/h200/run5, gpu/faults.py) most decode steps of the
+    real engine built one: some 200-330 host page faults and ~1 MB of resident memory a step,
+    all in the attention stage, whatever the allocator, and such steps ran 1.7x-2.4x their
+    prediction (run 4); with this backend off (run 6), 2 of 133 decode steps faulted. The
+    profile, whose shapes repeat, never paid it, so no profile term can predict it; a serving
+    engine's attention kernels (FlashAttention, FlashInfer) take any length without a plan.
+    PyTorch then picks flash or memory-efficient attention, which take none either."""
     if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)

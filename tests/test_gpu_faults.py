@@ -62,3 +62,22 @@ def test_the_validation_runs_under_the_variant_that_removed_most_of_the_faults()
     assert choose([default, other]) is None  # 180 of 200: not a quarter
     assert choose([variant({}, 10.0), fix]) is None  # the default hardly faulted
     assert choose([default]) is None
+
+
+def test_a_cuda_runner_turns_cudnn_attention_off_and_a_cpu_one_leaves_it():
+    """The setting is process-wide and a CPU build of torch holds it too, so the choice is
+    testable here (whether the H200's faults go with it was measured there: run 6)."""
+    import torch
+
+    from profiler.ops import no_per_shape_attention_plans
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert not no_per_shape_attention_plans(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        assert no_per_shape_attention_plans(torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert not no_per_shape_attention_plans(torch.device("cuda"))  # already off
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
