@@ -21,7 +21,7 @@
 #
 # QLLM_CHECK_STEPS="env validate" runs only the steps named (default: the six above), for a
 # rerun of one step in what is left of a device lease; "env modes" runs gpu/modes.py (~1 min),
-# "env faults" gpu/faults.py (~2 min: the engine three times, each fault charged to its place).
+# "env faults" gpu/faults.py (~80 s: the engine twice, each fault charged to its place).
 # QLLM_CHECK_PIN=N pins the validate step to CPU core N. QLLM_CHECK_POLICIES ([iteration,qllm])
 # and QLLM_CHECK_UTILIZATIONS (the loads) narrow the validation to fit what is left of a lease.
 # QLLM_CHECK_DRY=1 (make gpu-check-dry): the same steps on the CPU with tiny-mixtral and small
@@ -88,7 +88,8 @@ step() {  # step NAME LIMIT_S JSON_FILE CMD...: run CMD under its limit, log to 
 
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu MODEL=tiny-mixtral NAME=tiny-mixtral-dry
-  VALIDATE_ARGS=(threads=1 workload.num_requests=8 utilizations="${QLLM_CHECK_UTILIZATIONS:-[1.0]}" replays=2 min_run_s=0 max_run_s=0
+  VALIDATE_ARGS=(threads=1 workload.num_requests=8 replays=2 min_run_s=0 max_run_s=0
+    utilizations="${QLLM_CHECK_UTILIZATIONS:-[1.0]}"
     profile.wake.idle_ms=[5,50] profile.wake.repeats=1
     workload.prompt.tokens=16 workload.prompt.max=32 workload.output.tokens=4 workload.output.max=6
     profile.grid.prefill_tokens=[8,32] profile.grid.decode_batch=[1,4] profile.grid.decode_kv=[16,40]
@@ -111,7 +112,8 @@ else
   # (profile.passes_per_round=1), as the limits were sized for: the 3 of `make validate` (many
   # short visits of each shape, for a CPU VM whose speed moves from one visit to the next)
   # would time each shape 6 times after 2 warm-up steps, 18 steps where 2 passes take 10.
-  VALIDATE_ARGS=(threads=null workload.num_requests=24 utilizations="${QLLM_CHECK_UTILIZATIONS:-[0.6,2.0,6.0]}" replays=1 min_run_s=0 max_run_s=0
+  VALIDATE_ARGS=(threads=null workload.num_requests=24 replays=1 min_run_s=0 max_run_s=0
+    utilizations="${QLLM_CHECK_UTILIZATIONS:-[0.6,2.0,6.0]}"
     workload.prompt.tokens=128 workload.prompt.sigma=0.6 workload.prompt.min=16 workload.prompt.max=512
     workload.output.tokens=16 workload.output.sigma=0.5 workload.output.min=4 workload.output.max=48
     max_prompt_tokens=512
@@ -130,11 +132,7 @@ fi
 step env "${LIMITS[0]}" env.json bash -c \
   "{ command -v nvidia-smi >/dev/null && nvidia-smi || echo 'no nvidia-smi'; } && $PY -m pip list 2>/dev/null | grep -iE '^(torch|transformers|hydra-core|omegaconf|simpy|numpy|pandas) ' ; $PY -m gpu.smoke --env-only --json $R/env.json"
 step smoke "${LIMITS[1]}" smoke.json $PY -m gpu.smoke --device "$DEVICE" --json "$R/smoke.json"
-# Not in the default steps: decode-step times against the host page faults each step takes
-# (gpu/modes.py: the same step repeated, growing contexts, then growing under the allocator
-# that keeps freed memory), to tell whether the validation's slow mode is host memory mapped
-# mid-step. Before validate, so that a lease's deadline cuts the long step, not this one.
-# Not in the default steps either: the real engine itself, each fault charged to a stage kind,
+# Not in the default steps: the real engine itself, each fault charged to a stage kind,
 # the main thread or not, and the segment's resident memory and Python arenas (gpu/faults.py),
 # as the runner runs it (cuDNN's attention off) and with cuDNN's attention back on. Run 5 ran
 # it with glibc's and Python's allocators as they are, PYTHONMALLOC=malloc and
@@ -151,10 +149,15 @@ if [ -f "$R/faults.json" ]; then
     echo "check: validate runs under $CHOSEN (gpu/faults.py's choice)" | tee -a "$R/faults.log"
   fi
 fi
+# Not in the default steps either: decode-step times against the host page faults each step
+# takes (gpu/modes.py: the same step repeated, growing contexts, then growing under the
+# allocator that keeps freed memory). Both diagnostics run before validate, so that a lease's
+# deadline cuts the long step, not them.
 step modes 150 modes.json $PY -m gpu.modes --model "$MODEL" --device "$DEVICE" \
   --steps "$([ "$DRY" = 1 ] && echo 20 || echo 300)" --json "$R/modes.json"
-step validate "${LIMITS[2]}" "$NAME/validation.json" "${VALIDATE_ENV[@]}" "${PIN_CMD[@]}" $PY -m realrun.validate model="$MODEL" device="$DEVICE" \
-  name="$NAME" out_dir="$R" policies="${QLLM_CHECK_POLICIES:-[iteration,qllm]}" workload=synthetic \
+step validate "${LIMITS[2]}" "$NAME/validation.json" "${VALIDATE_ENV[@]}" "${PIN_CMD[@]}" \
+  $PY -m realrun.validate model="$MODEL" device="$DEVICE" name="$NAME" out_dir="$R" \
+  policies="${QLLM_CHECK_POLICIES:-[iteration,qllm]}" workload=synthetic \
   workload.ls_fraction=0.3 progress=false "${VALIDATE_ARGS[@]}"
 if [ -f "$R/$NAME/iteration_errors.json" ]; then cp "$R/$NAME/iteration_errors.json" "$OUT/"; fi
 step compare "${LIMITS[3]}" profile_compare.json $PY -m sim.compare_profiles "$R/$NAME/profile" \

@@ -62,6 +62,8 @@ def test_the_validation_runs_under_the_variant_that_removed_most_of_the_faults()
     assert choose([default, other]) is None  # 180 of 200: not a quarter
     assert choose([variant({}, 10.0), fix]) is None  # the default hardly faulted
     assert choose([default]) is None
+    # a variant only this script understands is not one the validation can run as
+    assert choose([default, variant({"GPU_FAULTS_CUDNN_SDPA": "1"}, 3.0)]) is None
 
 
 def test_a_cuda_runner_turns_cudnn_attention_off_and_a_cpu_one_leaves_it():
@@ -81,3 +83,15 @@ def test_a_cuda_runner_turns_cudnn_attention_off_and_a_cpu_one_leaves_it():
         assert not no_per_shape_attention_plans(torch.device("cuda"))  # already off
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_every_runner_asks_for_no_per_shape_attention_plans_on_its_own_device(monkeypatch):
+    """The wiring: a ``ModelRunner`` passes its device to the switch when it is built (the
+    switch acts on CUDA only, above; here the CPU's device reaches it)."""
+    import profiler.ops as ops
+    from profiler.models import build_model
+
+    seen = []
+    monkeypatch.setattr(ops, "no_per_shape_attention_plans", lambda device: seen.append(device))
+    runner = ops.ModelRunner(build_model("tiny-mixtral")[0])
+    assert seen == [runner.device]
