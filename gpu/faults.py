@@ -5,8 +5,10 @@
 On the H200 (2026-12-04, results/gpu/h200/run4) the real runs took 113-266 minor page faults a
 segment with glibc keeping freed memory (``profiler.ops.retain_freed_memory``), in streaks:
 decode steps of one sequence faulting ~205 times each for tens of steps, then none for tens,
-and the faulting ones ran 1.7x-2.4x their prediction where the others ran ~0.9x. The decode
-loop of ``gpu/modes.py``, the same runner, took none. So this runs the real engine itself
+and the segments with 50 faults or more ran a median 1.70x their prediction (p10-p90
+1.45x-2.42x, 522 segments), the others 1.14x (0.85x-1.58x, 365). The last phase of
+``gpu/modes.py``'s decode loop, the same runner, took none (on lengths it had already fed,
+as it turned out). So this runs the real engine itself
 (``realrun``'s pipeline: the model, the scheduler, a synthetic workload in wall-clock time)
 and charges each fault to where it happened:
 

@@ -103,11 +103,12 @@ def no_per_shape_attention_plans(device: torch.device) -> bool:
     (``MHAGraphCache``, unbounded). A decode step's keys have a new length at every step, so
     on the H200 (2026-12-04, results/gpu/h200/run5, gpu/faults.py) most decode steps of the
     real engine built one: some 200-330 host page faults and ~1 MB of resident memory a step,
-    all in the attention stage, whatever the allocator, and such steps ran 1.7x-2.4x their
-    prediction (run 4); with this backend off (run 6), 2 of 133 decode steps faulted. The
-    profile, whose shapes repeat, never paid it, so no profile term can predict it; a serving
-    engine's attention kernels (FlashAttention, FlashInfer) take any length without a plan.
-    PyTorch then picks flash or memory-efficient attention, which take none either."""
+    all in the attention stage, whatever the allocator, and such segments ran a median 1.70x
+    their prediction (run 4; the others 1.14x); with this backend off (run 6), 2 of 133
+    decode steps faulted. The profile, whose shapes repeat, never paid it, so no profile term
+    can predict it; a serving engine's attention kernels (FlashAttention, FlashInfer) take any
+    length without a plan. PyTorch then picks flash or memory-efficient attention, which take
+    none either."""
     if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)
