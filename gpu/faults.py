@@ -181,13 +181,12 @@ def summarize(result: dict) -> dict:
     faults = np.array([s["faults"] or 0 for s in segs], dtype=float)
     inside = np.array([s["stage_faults"] for s in segs], dtype=float)
     thread = np.array([s["stage_thread_faults"] for s in segs], dtype=float)
-    # a decode segment's time per sequence, faulting against not (shapes mixed)
+    # a decode segment's time per sequence, faulting against not (batch sizes mixed: compare
+    # variants by the segments themselves, not by these medians)
     dec = [s for s in segs if s["phase"] == "decode"]
-    per_seq = {k: [s["ms"] / max(s["size"], 1) for s in dec if (s["faults"] or 0) >= FAULTING] if k
-               else [s["ms"] / max(s["size"], 1) for s in dec if (s["faults"] or 0) < FAULTING]
-               for k in (True, False)}  # fmt: skip
-    probe = np.array([s["cpu_probe_ms"] for s in dec])
     ms_seq = np.array([s["ms"] / max(s["size"], 1) for s in dec])
+    faulting = np.array([(s["faults"] or 0) >= FAULTING for s in dec], dtype=bool)
+    probe = np.array([s["cpu_probe_ms"] for s in dec])
     corr = (float(np.corrcoef(ms_seq, probe)[0, 1])
             if len(dec) > 2 and probe.std() > 0 and ms_seq.std() > 0 else None)  # fmt: skip
     reclaimed = [s["arenas_reclaimed"] for s in segs if s["arenas_reclaimed"] is not None]
@@ -197,8 +196,8 @@ def summarize(result: dict) -> dict:
             "main_thread_share": float(thread.sum() / inside.sum()) if inside.sum() else None,
             "arenas_reclaimed": (reclaimed[-1] - reclaimed[0]) if reclaimed else None,
             "rss_growth_kib": (segs[-1]["rss_kib"] - segs[0]["rss_kib"]) if segs else 0,
-            "decode_ms_per_seq_faulting": median(per_seq[True]),
-            "decode_ms_per_seq_quiet": median(per_seq[False]),
+            "decode_ms_per_seq_faulting": median(ms_seq[faulting].tolist()),
+            "decode_ms_per_seq_quiet": median(ms_seq[~faulting].tolist()),
             "cpu_probe_median_ms": float(np.median(probe)) if len(dec) else None,
             "corr_decode_ms_cpu_probe": corr}  # fmt: skip
 
