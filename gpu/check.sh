@@ -155,10 +155,19 @@ fi
 # deadline cuts the long step, not them.
 step modes 150 modes.json $PY -m gpu.modes --model "$MODEL" --device "$DEVICE" \
   --steps "$([ "$DRY" = 1 ] && echo 20 || echo 300)" --json "$R/modes.json"
+# validate's own time budget (time_budget_s): the limit step() will give it, less
+# VALIDATE_AFTER_S for Python's start and what follows its runs (run 4 on the H200: 3 s
+# before its clock, 15 s of predictions, simulations and the plot), so that a short lease
+# leaves a validation of the points it ran (runs 5 and 6 were killed in their runs and left
+# none)
+VALIDATE_AFTER_S=40
+NOW_S=$(date +%s)
+VALIDATE_LIMIT_S=$((DEADLINE_S - NOW_S < LIMITS[2] ? DEADLINE_S - NOW_S : LIMITS[2]))
+VALIDATE_BUDGET_S=$((VALIDATE_LIMIT_S - VALIDATE_AFTER_S > 1 ? VALIDATE_LIMIT_S - VALIDATE_AFTER_S : 1))
 step validate "${LIMITS[2]}" "$NAME/validation.json" "${VALIDATE_ENV[@]}" "${PIN_CMD[@]}" \
   $PY -m realrun.validate model="$MODEL" device="$DEVICE" name="$NAME" out_dir="$R" \
   policies="${QLLM_CHECK_POLICIES:-[iteration,qllm]}" workload=synthetic \
-  workload.ls_fraction=0.3 progress=false "${VALIDATE_ARGS[@]}"
+  workload.ls_fraction=0.3 progress=false time_budget_s="$VALIDATE_BUDGET_S" "${VALIDATE_ARGS[@]}"
 if [ -f "$R/$NAME/iteration_errors.json" ]; then cp "$R/$NAME/iteration_errors.json" "$OUT/"; fi
 step compare "${LIMITS[3]}" profile_compare.json $PY -m sim.compare_profiles "$R/$NAME/profile" \
   h200-mixtral-bf16 --json "$R/profile_compare.json"

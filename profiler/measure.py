@@ -781,15 +781,16 @@ class Profiler:
             time.sleep(idle_ms / 1e3)
             self.wake_runs[idle_ms].append(self._wake_window(self.wake_window_steps))
 
-    def wake_points(self) -> list[OpPoint]:
+    def wake_points(self, top_up: bool = True) -> list[OpPoint]:
         """``wake_up`` at each idle time (module docstring), from the repeats the passes ran
         and those still to run (all of them before any pass); none when wake.idle_ms is
-        empty."""
+        empty. ``top_up`` False: from the repeats the passes ran, where they ran one (a
+        validation stopped by its time budget: ``realrun.validate.RunBudget``)."""
         s = self.settings
         if not s.wake_idle_ms:
             return []
         done = min((len(self.wake_runs[idle_ms]) for idle_ms in s.wake_idle_ms), default=0)
-        for _ in range(s.wake_repeats - done):
+        for _ in range(s.wake_repeats - done if top_up or not done else 0):
             self._wake_repeat()
         points = [OpPoint("wake_up", idle_ms=0)]
         for idle_ms, windows in sorted(self.wake_runs.items()):

@@ -89,6 +89,10 @@ class ValidateConfig(EngineConfig):
     clock: ClockKind = ClockKind.wall  # wall, or cpu (the profile then on the process clock)
     profile: dict[str, Any] = field(default_factory=dict)  # path, or the profiler's settings
     progress: bool = True
+    # wall seconds from the start within which the real runs and the profile's passes between
+    # them must end: a run or pass that would end past it is not started, and the points run
+    # so far are reported (realrun.validate.RunBudget); null: no limit
+    time_budget_s: float | None = None
 
 
 def validate_engine(cfg: Any) -> None:

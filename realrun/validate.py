@@ -111,6 +111,9 @@ def check(cfg: DictConfig) -> None:
     if cfg.max_run_s and cfg.max_run_s < cfg.min_run_s:
         raise UserError(f"max_run_s={cfg.max_run_s}: below min_run_s={cfg.min_run_s} (no "
                         "point's arrivals span both); raise it, or 0 for no cap")  # fmt: skip
+    budget_s = cfg.get("time_budget_s")
+    if budget_s is not None and not budget_s > 0:
+        raise UserError(f"time_budget_s={budget_s}: must be > 0, or null for no limit")
     if not 0 <= cfg.sensitivity_pct < 100:
         raise UserError(f"sensitivity_pct={cfg.sensitivity_pct}: must be >= 0 and below 100")
     known = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
@@ -310,6 +313,7 @@ class ProfileSource:
             print(f"profile grid extended to cover the runs: {', '.join(added)}")
         self.prof = Profiler(runner, settings, info.device, probe)
         self.progress = cfg.progress
+        self.pass_s: list[float] = []  # each pass's wall time (RunBudget)
         self.between_rounds()
         self.profile = self._build(self.prof.table())
         # saved now, and replaced by the final one: a run stopped by a time limit (the GPU
@@ -319,23 +323,44 @@ class ProfileSource:
     def first(self):
         return self.profile
 
-    def between_rounds(self) -> None:
+    def between_rounds(self, budget: RunBudget | None = None) -> bool:
+        """The next round's passes; False when ``budget`` left no time for one (as long as
+        the longest so far), which is then not run."""
         if self.prof is None:
-            return
+            return True
         for _ in range(self.per_round):
             if self.prof.passes_done >= self.prof.settings.passes:
-                return
+                return True
+            if budget is not None and not budget.fits_pass(max(self.pass_s, default=0.0)):
+                return False
             bar = tqdm(total=self.prof.settings.num_iterations, unit="shape",
                        desc=f"profiling (pass {self.prof.passes_done + 1} of "
                             f"{self.prof.settings.passes})", disable=not self.progress)  # fmt: skip
+            start = time.perf_counter()
             self.prof.grid_pass(bar)
+            self.pass_s.append(time.perf_counter() - start)
             bar.close()
+        return True
 
-    def final(self):
+    @property
+    def passes(self) -> tuple[int, int]:
+        """(done, planned) passes of the profile measured now; (0, 0) for a profile.path."""
+        if self.prof is None:
+            return 0, 0
+        return self.prof.passes_done, self.prof.settings.passes
+
+    def final(self, complete: bool = True):
+        """The profile of every pass and the wake-up (those left run now), saved; with
+        ``complete`` False (a validation that ``time_budget_s`` stopped), of the passes done
+        and the wake-up's repeats they ran, if any (else it runs them)."""
         if self.prof is not None:
+            if complete:
+                points = self.prof.points(progress=False)
+            else:
+                points = self.prof.table() + self.prof.wake_points(top_up=False)
             # the first profile's memory: the real runs' schedulers were built with it
             # (on CPU its KV capacity follows the free memory of the moment)
-            profile = self._build(self.prof.points(progress=False))
+            profile = self._build(points)
             self.profile = dataclasses.replace(profile, memory=self.profile.memory)
             self.profile.save(self.directory)
         return self.profile
@@ -353,6 +378,56 @@ class ProfileSource:
         from profiler.measure import build_profile
 
         return build_profile(self.prof, self.info, self.name, [*points, *self.extra])
+
+
+class RunBudget:
+    """``time_budget_s``: wall seconds from the validation's start (``start``, on ``clock``)
+    within which its real runs and the profile's passes between them must end, so that a
+    validation under an outside time limit (the GPU check's, a device lease's) reports the
+    points it ran instead of being killed with nothing written. Before each run it asks
+    whether the run, as long as expected, still ends within the budget: the simulator's
+    makespan for its point (``expect``) times the largest ratio of a run's measured wall time
+    to its point's makespan seen so far (1 before the first run); before each pass, the
+    longest pass so far. What follows the runs (predictions, simulations, the plot: seconds on
+    a tiny model or the GPU check's) comes on top. ``budget_s`` None: everything fits."""
+
+    def __init__(self, budget_s: float | None, start: float, clock=time.perf_counter) -> None:
+        self.budget_s, self.start, self.clock = budget_s, start, clock
+        self.ratio = 1.0  # measured wall time over the predicted makespan, the largest yet
+        self.cut: str | None = None  # what was not run, once something did not fit
+
+    @property
+    def active(self) -> bool:
+        return self.budget_s is not None
+
+    def left_s(self) -> float:
+        return math.inf if self.budget_s is None else self.budget_s - (self.clock() - self.start)
+
+    def fits_run(self, makespan_s: float) -> bool:
+        return makespan_s * self.ratio <= self.left_s()
+
+    def fits_pass(self, longest_pass_s: float) -> bool:
+        return longest_pass_s <= self.left_s()
+
+    def ran(self, makespan_s: float, wall_s: float) -> None:
+        """A run of a point whose predicted makespan is ``makespan_s`` took ``wall_s``."""
+        if makespan_s > 0:
+            self.ratio = max(self.ratio, wall_s / makespan_s)
+
+
+def cut_message(budget_s: float, runs_done: int, runs_planned: int, points_left: list[str],
+                passes_done: int, passes_planned: int) -> str:  # fmt: skip
+    """The one-line warning of a validation that ``time_budget_s`` stopped."""
+    parts = []
+    if runs_done < runs_planned:
+        parts.append(f"the real runs stopped after {runs_done} of {runs_planned}: the points "
+                     "have fewer replays than asked (each record's replays)")  # fmt: skip
+    if points_left:
+        parts.append(f"{len(points_left)} point(s) not measured at all: {', '.join(points_left)}")
+    if passes_done < passes_planned:
+        parts.append(f"the profile from {passes_done} of its {passes_planned} passes")
+    return (f"warning: time_budget_s={budget_s:g}: the next run or pass would have ended past "
+            f"it; {'; '.join(parts)}")  # fmt: skip
 
 
 class Phases:
@@ -931,10 +1006,15 @@ def measure_engine_host(runner, sim_cfg, profile, largest_batch: int, clock: Clo
 RESULT_FILES = ("validation.json", "iteration_errors.json", "iterations.csv.gz", "validation.png")
 
 
-def run_validation(cfg: DictConfig, phases: Phases | None = None) -> tuple[list[dict], Path]:
+def run_validation(cfg: DictConfig, phases: Phases | None = None,
+                   budget: RunBudget | None = None) -> tuple[list[dict], Path]:  # fmt: skip
     """The whole comparison; needs Hydra initialized with CONF_DIR (the app or a test).
-    ``phases``: where to add each phase's wall time (profile, real runs, simulation)."""
+    ``phases``: where to add each phase's wall time (profile, real runs, simulation);
+    ``budget``: ``time_budget_s``'s, from when the caller started (default: from now), whose
+    ``cut`` says afterwards what it left out."""
     phases = phases if phases is not None else Phases()
+    if budget is None:
+        budget = RunBudget(cfg.get("time_budget_s"), time.perf_counter())
     check(cfg)
     from profiler.probe import probe_speed
     from realrun.run import (
@@ -1016,26 +1096,48 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None) -> tuple[list[
                   + ", ".join(f"{p.median_ms * 1e3:.0f} us at batch {p.batch_size}"
                               for p in host_points))  # fmt: skip
     reals = [[] for _ in cases]  # per case: each replay's summary, segments
+    # time_budget_s: each point's predicted makespan, against which its runs are expected
+    makespans = [simulate(sims[policy], requests=workloads[i][0], profile=profile,
+                          warn=False).summary["makespan_s"] if budget.active else 0.0
+                 for i, (_, _, policy) in enumerate(cases)]  # fmt: skip
     bar = tqdm(total=len(cases) * cfg.replays, desc="validating", unit="run",
                disable=not cfg.progress)  # fmt: skip
     # Round by round: every case once (in a random order: run_orders), then a pass of the
     # profile (when measured now).
     orders = run_orders(len(cases), cfg.replays, cfg.seed, cfg.shuffle)
+    runs_done = 0
     for round_no, order in enumerate(orders):
         for place, i in enumerate(order):
+            if not budget.fits_run(makespans[i]):
+                break
             requests, prompts = workloads[i]
+            start = time.perf_counter()
             with phases("real runs"):
                 real = execute(requests, prompts, build_scheduler(sims[cases[i][2]], profile),
                                runner, cfg.slo, make_clock(ClockKind(cfg.clock)),
                                probe=speed_probe)  # fmt: skip
+            budget.ran(makespans[i], time.perf_counter() - start)
             reals[i].append((real.summary, real.result.segments, round_no * len(cases) + place,
                              real.result.probes))  # fmt: skip
+            runs_done += 1
             bar.update()
-        with phases("profile"):
-            source.between_rounds()
+        else:
+            with phases("profile"):
+                if source.between_rounds(budget):
+                    continue
+        break  # time_budget_s: what is left is not run
     bar.close()
+    if runs_done < len(cases) * cfg.replays or source.passes[0] < source.passes[1]:
+        points_left = [f"{cases[i][2]} at {cases[i][1]:g} req/s" for i in range(len(cases))
+                       if not reals[i]]  # fmt: skip
+        budget.cut = cut_message(budget.budget_s, runs_done, len(cases) * cfg.replays,
+                                 points_left, *source.passes)  # fmt: skip
+        print(budget.cut, file=sys.stderr)
+        if not runs_done:
+            raise UserError(f"time_budget_s={budget.budget_s:g}: no real run fits in what the "
+                            "profile left of it; raise it")  # fmt: skip
     with phases("profile"):
-        profile = source.final()
+        profile = source.final(complete=budget.cut is None)
     print(f"profile interference {profile.interference:.3f}: a timed iteration ran "
           f"{100 * (profile.interference - 1):+.1f}% over its shape's median, on average; "
           f"the simulator scales its iterations by it")  # fmt: skip
@@ -1062,6 +1164,8 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None) -> tuple[list[
         host = lambda size: curve.scalar(size) * profile.interference  # noqa: E731
     beyond = []  # what the simulations read beyond the profile's grid: one warning for all
     for i, (u, rate, policy) in enumerate(cases):
+        if not reals[i]:  # time_budget_s: not run (cut_message named it)
+            continue
         # a segment holds no host time between iterations: predicted without engine_host
         predictor = build_latency(sims[policy], segment_profile)
         load = load_label(u, cfg.utilizations)
@@ -1308,15 +1412,17 @@ def plot(records: list[dict], path: Path) -> None:
 def main(cfg: DictConfig) -> None:
     started = time.perf_counter()
     phases = Phases()
+    budget = RunBudget(cfg.get("time_budget_s"), started)
     try:
-        records, out = run_validation(cfg, phases)
+        records, out = run_validation(cfg, phases, budget)
     except UserError as e:
         fail(PROG, str(e))
     print(table(records))
     print()
     print("per-iteration error (predicted - measured) / measured, every executed segment:")
     print(iteration_table(json.loads((out / "iteration_errors.json").read_text())))
-    for warning in (page_fault_warning(records), drift_warning(records), duty_warning(records)):
+    for warning in (page_fault_warning(records), drift_warning(records), duty_warning(records),
+                    budget.cut):  # fmt: skip
         if warning is not None:
             print(warning, file=sys.stderr)
     took = round(time.perf_counter() - started)  # the issue's budget: 6 minutes a preset

@@ -642,6 +642,21 @@ def test_the_wake_ups_repeats_are_spread_over_the_passes(monkeypatch):
     slept.clear()
     profilers[-1].wake_points()
     assert slept == [(0, 1), (0, 2)] * 2
+    # a validation stopped by its time budget after two passes: the repeats they ran, no more
+    profilers.append(Profiler(runner, settings, torch.device("cpu")))
+    slept.clear()
+    profilers[-1].grid_pass()
+    profilers[-1].grid_pass()
+    points = profilers[-1].wake_points(top_up=False)
+    assert slept == [(1, 1), (1, 2)]
+    assert {k: len(v) for k, v in profilers[-1].wake_samples.items()} == {1: 1, 2: 1}
+    assert {p.idle_ms for p in points} == {0, 1, 2}
+    # ... and stopped before any repeat ran: all of them (a profile needs its wake-up)
+    profilers.append(Profiler(runner, settings, torch.device("cpu")))
+    slept.clear()
+    profilers[-1].grid_pass()
+    profilers[-1].wake_points(top_up=False)
+    assert slept == [(1, 1), (1, 2)] * 2
 
 
 def test_a_window_that_starts_with_a_prefill_reads_its_excess_over_its_warm_repeat():

@@ -34,9 +34,11 @@ from realrun.engine import Segment
 from realrun.validate import (
     CLASSES,
     PAGE_FAULT_WARNING,
+    RunBudget,
     check,
     conditioning,
     covering_grid,
+    cut_message,
     drift_warning,
     duty_warning,
     fit_host,
@@ -298,6 +300,7 @@ def test_each_round_runs_every_point_once_in_an_order_of_its_own():
      ("max_run_s=-1", "max_run_s=-1.0: must be >= 0"),
      ("max_run_s=1", "max_run_s=1.0: below min_run_s=2.0"),
      ("sensitivity_pct=-2", "sensitivity_pct=-2.0: must be >= 0 and below 100"),
+     ("time_budget_s=0", "time_budget_s=0.0: must be > 0, or null for no limit"),
      ("workload.rate=99", "workload.rate=99.0: qllm-validate sets each point's rate"),
      # accepted before: the real runs timed 1 ms a stage against a wall-clock profile
      ("clock=virtual", "clock=virtual: the virtual clock charges every stage 1 ms"),
@@ -309,6 +312,66 @@ def test_bad_settings_are_user_errors(override, message):
         cfg = compose("validate", overrides=[override])
     with pytest.raises(UserError, match=message.replace("[", r"\[")):
         check(cfg)
+
+
+def test_run_budget_expects_each_run_at_the_slowest_ratio_seen():
+    now = [0.0]
+    budget = RunBudget(100.0, 0.0, clock=lambda: now[0])
+    assert budget.active and budget.fits_run(100.0) and not budget.fits_run(100.5)
+    now[0] = 40.0
+    budget.ran(10.0, 30.0)  # a run took 3x its point's predicted makespan
+    assert budget.ratio == 3.0
+    assert budget.fits_run(20.0) and not budget.fits_run(20.5)  # 60 s left: 20 s x 3
+    budget.ran(10.0, 12.0)  # a faster one does not lower it
+    assert budget.ratio == 3.0
+    assert budget.fits_pass(60.0) and not budget.fits_pass(60.5)
+    free = RunBudget(None, 0.0, clock=lambda: 1e9)
+    assert not free.active and free.fits_run(1e12) and free.fits_pass(1e12)
+
+
+def test_cut_message_names_what_the_budget_left_out():
+    line = cut_message(300, 3, 8, ["qllm at 2.5 req/s"], 1, 3)
+    assert line.startswith("warning: time_budget_s=300: ")
+    assert "stopped after 3 of 8" in line and "1 point(s) not measured at all: qllm at 2.5" in line
+    assert "the profile from 1 of its 3 passes" in line
+    # every run ran, only the profile's last pass did not fit
+    line = cut_message(300, 8, 8, [], 2, 3)
+    assert "stopped after" not in line and "the profile from 2 of its 3 passes" in line
+
+
+def test_a_time_budget_reports_the_points_it_ran_and_names_the_rest(
+    tmp_path, restore_threads, monkeypatch, capsys
+):
+    """A validation under an outside time limit (the GPU check's) was killed with nothing
+    written; with time_budget_s it stops starting runs and reports those it ran. The budget's
+    answers are scripted (the first three runs fit, nothing after) so that the test does not
+    depend on this machine's speed."""
+    asked = []
+
+    def fits(kind):
+        return lambda self, seconds: asked.append((kind, seconds)) or len(asked) <= 3
+
+    monkeypatch.setattr(validate.RunBudget, "fits_run", fits("run"))
+    monkeypatch.setattr(validate.RunBudget, "fits_pass", fits("pass"))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("validate", overrides=[*SMALL, f"out_dir={tmp_path}", "name=cut",
+                                             "time_budget_s=600"])  # fmt: skip
+        records, out = run_validation(cfg)
+    # every run was asked about with its point's predicted makespan; the fourth was refused
+    assert [kind for kind, _ in asked] == ["run"] * 4 and all(s > 0 for _, s in asked)
+    err = capsys.readouterr().err
+    assert "time_budget_s=600: " in err and "stopped after 3 of 8" in err
+    assert "1 point(s) not measured at all" in err and "the profile from 1 of its 3 passes" in err
+    points = {(r["policy"], r["rate"]) for r in records}
+    assert len(points) == 3  # of 2 policies x 2 rates: the point never run has no record
+    assert all(r["replays"] == 1 for r in records)
+    assert all(math.isfinite(r["sim"]) and math.isfinite(r["real"]) for r in records)
+    assert json.loads((out / "validation.json").read_text()) == records
+    saved = json.loads((out / "profile" / "profile.json").read_text())
+    assert "in 1 passes" in saved["calibration"]  # the passes done, no more run after the cut
+    assert saved["extra"]["wake_samples"]  # the wake-up (its one pass ran no repeat: all now)
+    rows = pd.read_csv(out / "iterations.csv.gz")
+    assert set(zip(rows.policy, rows.rate, strict=True)) == points
 
 
 def test_a_stopped_rerun_leaves_no_earlier_results_beside_its_config(tmp_path):
