@@ -46,6 +46,12 @@ median over those points, and the worst point. A worst factor above ``NOISY_SPRE
 profile measured while something else used the machine (``noisy``); qllm-profile and every
 loader warn about it in one line.
 
+``points`` (written by ``Profile.save`` since 2026-12-04; hand-made profiles may leave it out):
+how many rows ops.csv holds. A file that holds another count, or whose last row has no line
+end, is refused: cut short (ops.csv is sorted by op, so a cut took the wake-up's rows first
+and loaded as a profile without one), not a smaller profile. ``save`` writes each file whole
+and renames it over the old one.
+
 ``ops.csv``: one row per measured point, times in milliseconds for ONE layer (the executor
 multiplies per-layer ops by the number of layers)::
 
@@ -168,6 +174,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -229,7 +236,7 @@ META_FILE = "profile.json"
 META_KEYS = frozenset({"schema_version", "name", "source", "description", "calibration",
                        "device", "dtype", "torch_version", "transformers_version", "created",
                        "model", "memory", "routing", "prefill_attention", "interference",
-                       "extra", "spread"})  # fmt: skip
+                       "extra", "spread", "points"})  # fmt: skip
 ROUTING_KEYS = frozenset({"expert_load", "prompt_experts"})
 OPS_FILE = "ops.csv"
 
@@ -399,6 +406,10 @@ class Profile:
             if negative:
                 raise ProfileError(f"{where}: {p.op} has {negative[0]}="
                                    f"{getattr(p, negative[0])} (a key is >= 0)")  # fmt: skip
+            if p.op == "wake_up" and p.idle_ms == 0 and p.median_ms > 0:
+                raise ProfileError(f"{where}: wake_up at idle_ms=0 has median_ms="
+                                   f"{p.median_ms:g}: no idle time leaves nothing to wake "
+                                   "from (it is 0 by definition)")  # fmt: skip
         seen: set[tuple] = set()
         for p in self.points:  # the latency model keeps one point per key: the last
             keys = OPS[p.op]
@@ -527,14 +538,22 @@ class Profile:
         }
         if self.source == "measured" and self.spread() is not None:
             meta["spread"] = {**asdict(self.spread()), "noisy": self.spread().noisy}
-        (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        with open(directory / OPS_FILE, "w", newline="") as f:
+        # ops.csv's row count: load refuses a file that holds another (cut short or edited)
+        meta["points"] = len(self.points)
+        # each file written whole, then renamed over the old one: a save stopped midway (a
+        # time limit, a full disk) leaves the earlier profile or none, not a shorter one
+        ops_part = directory / f"{OPS_FILE}.part"
+        with open(ops_part, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(COLUMNS)
             for p in sorted(self.points, key=lambda p: (p.op, p.key())):
                 w.writerow([p.op, p.batch_size, p.num_tokens, p.kv_tokens,
                             f"{p.median_ms:.6g}", f"{p.p90_ms:.6g}", p.idle_ms,
                             f"{p.busy_ms:.6g}"])  # fmt: skip
+        meta_part = directory / f"{META_FILE}.part"
+        meta_part.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(ops_part, directory / OPS_FILE)
+        os.replace(meta_part, directory / META_FILE)
         return directory
 
     @classmethod
@@ -572,12 +591,24 @@ class Profile:
                             kv_tokens=int(row["kv_tokens"]),
                             median_ms=float(row["median_ms"]),
                             p90_ms=float(row["p90_ms"]),
-                            idle_ms=int(row.get("idle_ms") or 0),
-                            busy_ms=float(row.get("busy_ms") or 0),
+                            # columns of later versions: 0 where the version has none,
+                            # and an empty field is malformed (it read as 0 until 2026-12-04)
+                            idle_ms=int(row["idle_ms"]) if "idle_ms" in row else 0,
+                            busy_ms=float(row["busy_ms"]) if "busy_ms" in row else 0.0,
                         )
                     )
                 except (TypeError, ValueError):
                     raise ProfileError(f"{ops_path}:{lineno}: malformed row {row}") from None
+        written = meta.get("points")
+        if written is not None:  # saved by Profile.save (hand-made profiles have no count)
+            if len(points) != written:
+                raise ProfileError(f"{ops_path}: {len(points)} points where {META_FILE} says "
+                                   f"{written} (a file cut short, or rows edited: measure it "
+                                   f"again, or set \"points\" to the rows kept)")  # fmt: skip
+            if ops_path.stat().st_size and not ops_path.read_bytes().endswith(b"\n"):
+                raise ProfileError(f"{ops_path}: its last row has no line end (a file cut "
+                                   "short: its last number may be a prefix of the one "
+                                   "written); measure it again")  # fmt: skip
         unknown = sorted(set(meta) - META_KEYS)
         unknown += [f"routing.{k}" for k in sorted(set(meta.get("routing") or {}) - ROUTING_KEYS)]
         if unknown:  # a misspelt key would load as its default without a word

@@ -66,10 +66,16 @@ def compare(measured: Profile, reference: Profile) -> dict:
     """Per op: the measured points with the reference's prediction and its error, plus a
     summary. Ops missing from either profile are listed under ``missing``; a point outside
     the reference's grid is marked ``beyond`` (its prediction is an extrapolation)."""
-    ops, missing = {}, []
+    ops, missing, zeros = {}, [], {}
     for op, keys in OPS.items():
         mine = [p for p in measured.points if p.op == op and p.median_ms > 0]
         theirs = [p for p in reference.points if p.op == op]
+        # a measured 0 has no relative error: left out, and said so (step_overhead's residual
+        # is clipped at 0 where the stages' medians summed to more than the iteration's
+        # mean); wake_up's zeros are its definition (no idle time, nothing left)
+        zero = sum(p.op == op and p.median_ms <= 0 for p in measured.points)
+        if zero and op != "wake_up":
+            zeros[op] = zero
         if not mine or not theirs:
             missing.append(op)
             continue
@@ -88,7 +94,7 @@ def compare(measured: Profile, reference: Profile) -> dict:
                    "beyond": sum(q["beyond"] for q in points), "detail": points}  # fmt: skip
     same_shape = measured.model == reference.model
     return {"measured": measured.name, "reference": reference.name, "same_shape": same_shape,
-            "ops": ops, "missing": missing,
+            "ops": ops, "missing": missing, "measured_zero": zeros,
             "interference": [measured.interference, reference.interference]}  # fmt: skip
 
 
@@ -100,6 +106,9 @@ def table(result: dict) -> str:
                      f"{r['mean_error_pct']:>9.1f} {r['max_abs_error_pct']:>9.1f}")  # fmt: skip
     if result["missing"]:
         lines.append(f"not in both: {', '.join(result['missing'])}")
+    if zeros := result.get("measured_zero"):
+        lines.append("note: measured points of 0 ms left out (no relative error): "
+                     + ", ".join(f"{op} ({n})" for op, n in zeros.items()))  # fmt: skip
     beyond = [f"{op} ({r['beyond']} of {r['points']})" for op, r in result["ops"].items()
               if r["beyond"]]  # fmt: skip
     if beyond:

@@ -168,8 +168,12 @@ def curve(CF, CV, BEY, c, r, b, x):
     """Curve c's Curve2D.__call__(b, x) on replica r (a Curve1D's scalar(x) when it has one
     row)."""
     first, n = CV[2 * c], CV[2 * c + 1]
-    if n == 1:
+    if n == 1:  # a Curve1D (row key 0, read at b = 0), or a Curve2D of one row: held past it
         k = CV_ROW0 + 3 * first
+        if b > CV[k]:
+            col = CV[CV_ROWS] + c
+            if math.isnan(BEY[r, col]) or BEY[r, col] < b:
+                BEY[r, col] = b
         return _row(CF, BEY, r, first, CV[k + 1], CV[k + 2], x)
     a, hi = 0, n  # bisect_right(row keys, b) - 1, clamped to [0, n - 2]
     while a < hi:

@@ -132,6 +132,10 @@ class Curve2D:
                        f"(grid ends at {self.batches[-1]})")  # fmt: skip
         return out
 
+    def _note_beyond(self, batch_size: float) -> None:
+        if batch_size > self.batches[-1] and (self.beyond_batch or 0) < batch_size:
+            self.beyond_batch = batch_size
+
     def within(self, batch_size: int, keys: np.ndarray) -> np.ndarray:
         """``self(batch_size, k)`` for each k of ``keys`` (integers within the grid) as
         ``Curve1D.within`` computes it: the same floats. The batch size has been seen by a
@@ -152,7 +156,8 @@ class Curve2D:
     def __call__(self, batch_size: float, kv_tokens: float) -> float:
         """At (row, key): (batch_size, kv_tokens) by default."""
         rows = self.rows
-        if len(rows) == 1:
+        if len(rows) == 1:  # one row (e.g. grid.decode_batch=[1]): held for every row key,
+            self._note_beyond(batch_size)  # which past it is an extrapolation like any other
             return rows[0].scalar(kv_tokens)
         xs = self.batches
         i = min(max(bisect.bisect_right(xs, batch_size) - 1, 0), len(xs) - 2)
@@ -161,8 +166,7 @@ class Curve2D:
         if batch_size <= x0:
             return y0
         if batch_size >= x1:  # beyond the grid: as Curve1D, never extrapolate downwards
-            if batch_size > x1 and (self.beyond_batch or 0) < batch_size:
-                self.beyond_batch = batch_size
+            self._note_beyond(batch_size)
             return y1 + max(y1 - y0, 0.0) * (batch_size - x1) / (x1 - x0)
         return y0 + (y1 - y0) * (batch_size - x0) / (x1 - x0)
 
@@ -578,14 +582,18 @@ class WakeUp:
 
 def overhead_points(profile: Profile) -> list[OpPoint]:
     """``step_overhead`` with the engine's host time (``engine_host``, optional) added at
-    every batch size either has a point at, up to where both grids reach (past it the sum is
-    extrapolated as the model reads it, and warned of): both are charged once per
-    iteration."""
+    every batch size either has a point at, up to where ``step_overhead``'s grid ends (past
+    it the sum is extrapolated as the model reads it, and warned of): both are charged once
+    per iteration. ``engine_host`` is a line fitted to the host time per iteration
+    (``realrun.validate.fit_host``, points at its ends), read along it where it ends first
+    (until 2026-12-04 the sum stopped there, and step_overhead's measured points past it,
+    such as batch 32 of the H200 profile of run 4 whose engine_host ended at 24, went
+    unused, with a warning that step_overhead was extrapolated)."""
     overhead = profile.op_points("step_overhead")
     host = profile.op_points("engine_host")
     if not host:
         return overhead
-    end = min(max(p.batch_size for p in overhead), max(p.batch_size for p in host))
+    end = max(p.batch_size for p in overhead)
     sizes = sorted(b for b in {p.batch_size for p in overhead} | {p.batch_size for p in host}
                    if b <= end)  # fmt: skip
     total = (Curve1D(overhead, "batch_size")(sizes) + Curve1D(host, "batch_size")(sizes)) * 1e3

@@ -747,12 +747,14 @@ class Runs:
 
     def rows(self, tasks: list[tuple]) -> list[dict | None]:
         """The runs of ``tasks`` made (None: to make). A run stopped when it was certain to
-        miss some targets counts only if it is certain to miss this search's too."""
+        miss some targets counts only if it is certain to miss this search's too, and not
+        under ``full_runs``, which asks for every run's figures (a rerun with --full-runs
+        over a search's --out reused its stopped runs, their figures still empty)."""
         out = []
         for t in tasks:
             row = self.cache.get(t, self.fingerprints[t[0]])
             stopped = row.get("stopped") if row is not None else None
-            if stopped and not self.targets.missed_by(stopped):
+            if stopped and (self.full_runs or not self.targets.missed_by(stopped)):
                 row = None
             out.append(row)
         return out
@@ -908,8 +910,27 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def few_samples_warning(smallest: int, ls_fraction: float) -> None:
+    """qllm-sim's warning of a class whose p99 rests on fewer than FEW_SAMPLES requests, for
+    the smallest runs of a search (``smallest`` requests: --min-requests on the fewest
+    replicas; a run at a higher rate has more), before they run."""
+    from sim.app import FEW_SAMPLES
+
+    for cls, share, which in ((LS, ls_fraction, "the LS TTFT p99 target's reading"),
+                              (BE, 1 - ls_fraction, "plan.csv's BE p99s")):  # fmt: skip
+        n = smallest * share
+        if 0 < n < FEW_SAMPLES:
+            print(f"qllm-plan: warning: the smallest runs ({smallest} requests) hold about "
+                  f"{n:.0f} {cls} requests: their {cls} p99s ({which}) rest on fewer than "
+                  f"{FEW_SAMPLES} samples, about their largest; raise --min-requests",
+                  file=sys.stderr)  # fmt: skip
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.out is not None and args.out.is_dir():  # an earlier search's results, which this
+        for name in ("plan.csv", "target.csv", "frontier.png"):  # one, stopped or refused
+            (args.out / name).unlink(missing_ok=True)  # (exit 2), would leave standing
     problems = [p for p in map(router_problem, args.routers) if p]
     sets = {o: override_keys(o) for o in args.overrides}
     problems += [
@@ -999,10 +1020,10 @@ def main(argv=None) -> int:
                   "more: there it is replayed repeated to --min-requests per replica (its "
                   "bursts recur), which keeps_up needs to tell a backlog from noise",
                   file=sys.stderr)  # fmt: skip
+    if whole is None and (share := cfg.workload.get("ls_fraction")) is not None:
+        few_samples_warning(args.min_requests * min(args.replicas), share)
     out = args.out or Path("results/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("plan.csv", "target.csv", "frontier.png"):  # an earlier search's, which an
-        (out / name).unlink(missing_ok=True)  # interrupted or failed one would leave standing
     cache = Evaluations(out / "evaluations.csv")
     if cache.set_aside is not None:
         print(f"qllm-plan: {out}/evaluations.csv is of an older layout (other columns): set "

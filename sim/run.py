@@ -127,7 +127,8 @@ def extrapolation_warning(profile_name: str, lines: list[str]) -> str:
         what, value = match.group(1), float(match.group(2))
         if what not in largest or value > largest[what][0]:
             largest[what] = (value, line)
-    return (f"warning: profile {profile_name}: extrapolated linearly beyond the grid: "
+    return (f"warning: profile {profile_name}: extrapolated beyond the grid (the last "
+            "segment's slope, never downwards; held where a curve has one point): "
             + "; ".join(line for _, line in largest.values()))  # fmt: skip
 
 

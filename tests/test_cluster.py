@@ -196,6 +196,10 @@ def test_plan_finds_more_capacity_with_more_replicas_and_resumes(tmp_path, monke
             "--goodput", "0.9", "--keeps-up", "0.5", "--out", str(tmp_path), "workload=synthetic",
             "workload.output.tokens=16", "workload.prompt.tokens=64"]  # fmt: skip
     assert plan.main(args) == 0
+    # 40 requests on one replica at 20% LS: its LS p99s are about the largest of 8 (BE: 32)
+    err = capsys.readouterr().err
+    assert "warning: the smallest runs (40 requests) hold about 8 LS requests" in err, err
+    assert "about 32 BE requests" in err
     rows = list(csv.DictReader((tmp_path / "plan.csv").open()))
     cap = {int(r["replicas"]): float(r["max_rate"]) for r in rows}
     assert cap[1] > 0 and cap[2] > 1.5 * cap[1]
@@ -390,6 +394,17 @@ def test_plan_over_a_previous_out_leaves_no_stale_target_or_ok_and_counts_reuse(
     assert any(r["ok"] != r0["ok"] for r, r0 in zip(again, rows, strict=False))
     made, reused = map(int, re.match(r"(\d+) runs made, (\d+) reused, in ", last).groups())
     assert made == len(again) - len(rows) and 1 <= reused <= len(rows), last
+    # the first search again with --full-runs: the runs it stopped early are made again, to
+    # their end (they were reused, their figures still empty, and it said "0 runs made")
+    stopped = [r for r in again if r["stopped"]]
+    assert stopped and all(r["ls_ttft_p99_s"] == "" for r in stopped)
+    assert plan.main([*SMALL_PLAN, "--keeps-up", "0.8", "--target-rate", "0.1", "--full-runs",
+                      "--out", str(out)]) == 0  # fmt: skip
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert int(re.match(r"(\d+) runs made", last).group(1)) == len(stopped), last
+    cache = plan.Evaluations(out / "evaluations.csv")  # the later row of each run
+    assert not any(r["stopped"] for r in cache.rows.values())
+    assert all(r["ls_ttft_p99_s"] != "" for r in cache.rows.values())
 
 
 @pytest.mark.parametrize("router", ["ls_dedicated:1", "ls_dedicated:1-2", "ls_dedicated:all"])
@@ -549,12 +564,14 @@ def test_a_run_shorter_than_the_daily_curve_says_its_rate_is_not_the_asked_one(c
 def test_plan_refuses_a_daily_curve(tmp_path, capsys):
     import sim.plan as plan
 
+    (tmp_path / "plan.csv").write_text("an earlier search's\n")  # which a refused one left
     code = plan.main(["--replicas", "1", "--out", str(tmp_path), "workload=synthetic",
                       "workload.peak_to_trough=3"])  # fmt: skip
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("qllm-plan: error: workload.peak_to_trough=3.0: a daily curve"), err
     assert not (tmp_path / "evaluations.csv").exists()
+    assert not (tmp_path / "plan.csv").exists()
 
 
 def test_a_rate_for_a_trace_window_at_one_instant_is_refused(tmp_path):

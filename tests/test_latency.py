@@ -265,8 +265,9 @@ def test_extrapolating_beyond_a_grid_warns_once_per_run(tmp_path, capsys):
     lines = [*quiet.extrapolated, "attn_prefill num_tokens up to 2000 (grid ends at "
              "1024)", "expert num_tokens up to 241 (grid ends at 224)"]  # fmt: skip
     assert extrapolation_warning("p", lines) == (
-        "warning: profile p: extrapolated linearly beyond the grid: attn_prefill num_tokens up "
-        "to 3000 (grid ends at 1024); expert num_tokens up to 241 (grid ends at 224)"
+        "warning: profile p: extrapolated beyond the grid (the last segment's slope, never "
+        "downwards; held where a curve has one point): attn_prefill num_tokens up to 3000 "
+        "(grid ends at 1024); expert num_tokens up to 241 (grid ends at 224)"
     )
 
 
@@ -280,6 +281,34 @@ def test_a_2d_grid_warns_of_its_largest_input_not_its_last_rows():
     lm.attn_decode(2, 9000)
     lm.attn_decode(32, 5000)
     assert lm.extrapolations() == ["attn_decode kv_tokens up to 9000 (grid ends at 4096)"]
+
+
+def test_a_2d_grid_of_one_row_warns_when_read_past_it():
+    """attn_decode measured at batch 1 only (grid.decode_batch=[1]) was read at that row for
+    every batch size, and nothing warned; a grid of two rows did warn."""
+    pts = [p for p in linear_profile().points if p.op != "attn_decode"]
+    pts += [OpPoint("attn_decode", batch_size=1, kv_tokens=kv, median_ms=1.0 + kv / 4096)
+            for kv in (0, 4096)]  # fmt: skip
+    lm = LatencyModel(replace(linear_profile(), points=pts))
+    assert lm.attn_decode(1, 2048) == pytest.approx(1.5e-3)
+    assert lm.extrapolations() == []  # on the row
+    assert lm.attn_decode(32, 2048) == pytest.approx(1.5e-3)  # held: no second row to slope
+    assert lm.extrapolations() == ["attn_decode batch_size up to 32 (grid ends at 1)"]
+
+
+def test_step_overhead_points_past_the_engine_host_grid_are_used():
+    """engine_host fitted up to batch 16, step_overhead measured up to 64: the sum stopped at
+    16, step_overhead's measured points past it were dropped, and a batch of 32 warned that
+    step_overhead was extrapolated. engine_host is a fitted line: read along it."""
+    base = linear_profile()
+    assert max(p.batch_size for p in base.op_points("step_overhead")) == 64
+    host = [OpPoint("engine_host", batch_size=b, median_ms=0.1 + 0.01 * b) for b in (1, 16)]
+    lm = LatencyModel(with_points(base, *host))
+    alone = LatencyModel(base)
+    for b in (8, 32, 64):  # the host line at b, on top of step_overhead's own points
+        assert lm.overhead.scalar(b) == pytest.approx(alone.overhead.scalar(b)
+                                                      + (0.1 + 0.01 * b) / 1e3)  # fmt: skip
+    assert lm.extrapolations() == []
 
 
 def test_engine_host_points_beyond_the_overhead_grid_do_not_hide_its_extrapolation():

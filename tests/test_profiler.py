@@ -734,6 +734,15 @@ def test_a_profiles_interference_round_trips_and_old_files_read_none(tmp_path):
         replace(base, interference=0.0)
 
 
+def append_row(saved: Path, row: str) -> None:
+    """A row added to a saved profile's ops.csv by hand, its row count in profile.json raised
+    to match (else the count refuses it first)."""
+    with (saved / "ops.csv").open("a") as f:
+        f.write(row + "\n")
+    meta = json.loads((saved / "profile.json").read_text())
+    (saved / "profile.json").write_text(json.dumps({**meta, "points": meta["points"] + 1}))
+
+
 @pytest.mark.parametrize("row, message", [
     ("expert,0,1,0,9.0,9.0,0,0", "two points of expert(num_tokens=1)"),
     ("expert,4,1,0,9.0,9.0,0,0", "expert is keyed by num_tokens only, but a point sets "
@@ -743,8 +752,7 @@ def test_a_duplicated_or_mis_keyed_ops_row_is_refused(tmp_path, row, message):
     """The latency model keeps the last point of a key: an appended copy of the expert rows
     at 10x their cost loaded without a word and tripled LS TTFT."""
     saved = profiles.load("a100-mixtral-nf4-hf").save(tmp_path / "p")
-    with (saved / "ops.csv").open("a") as f:
-        f.write(row + "\n")
+    append_row(saved, row)
     with pytest.raises(ValueError, match=re.escape(message)):
         Profile.load(saved)
 
@@ -761,8 +769,42 @@ def test_a_row_with_a_bad_p90_key_or_field_count_is_refused(tmp_path, row, messa
     anywhere); a negative key, or a row cut short (read as idle_ms = busy_ms = 0) or with a
     field too many, loaded as well."""
     saved = profiles.load("a100-mixtral-nf4-hf").save(tmp_path / "p")
-    with (saved / "ops.csv").open("a") as f:
-        f.write(row + "\n")
+    append_row(saved, row)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Profile.load(saved)
+
+
+def test_a_profile_cut_short_is_refused(tmp_path):
+    """ops.csv is sorted by op, so a file cut at a row's end lost its wake_up rows first and
+    loaded as a profile without a wake-up (0 ms after 1 s of idle time where it read 0.82),
+    and one cut inside its last number loaded that number's prefix (busy_ms 128.576 as 12)."""
+    base = profiles.load("a100-mixtral-nf4-hf")
+    wake = [
+        OpPoint("wake_up", idle_ms=0),
+        OpPoint("wake_up", median_ms=0.8, p90_ms=1.0, idle_ms=1000),
+        OpPoint("wake_up", median_ms=0.2, p90_ms=0.3, idle_ms=1000, busy_ms=128.576),
+    ]
+    saved = replace(base, points=base.points + wake).save(tmp_path / "p")
+    assert sorted(p.name for p in saved.iterdir()) == ["ops.csv", "profile.json"]  # no .part
+    whole = (saved / "ops.csv").read_bytes()
+    assert Profile.load(saved).op_points("wake_up") == wake
+    (saved / "ops.csv").write_bytes(b"".join(whole.splitlines(keepends=True)[:-2]))
+    with pytest.raises(ValueError, match="points where profile.json says"):
+        Profile.load(saved)
+    (saved / "ops.csv").write_bytes(whole[: whole.rindex(b"128.576") + 2])  # "...,12"
+    with pytest.raises(ValueError, match="its last row has no line end"):
+        Profile.load(saved)
+
+
+@pytest.mark.parametrize("row, message", [
+    ("wake_up,0,0,0,40,40,,", "malformed row"),  # read as idle_ms = busy_ms = 0 before
+    ("wake_up,0,0,0,40,40,0,0", "wake_up at idle_ms=0 has median_ms=40"),
+])  # fmt: skip
+def test_an_empty_key_field_or_a_wake_up_after_no_idle_time_is_refused(tmp_path, row, message):
+    """An empty idle_ms read as 0: with its 40 ms, every batch after a gap of 1 ms was charged
+    about 40 ms of wake-up (idle_ms = 0 is 0 by definition, and the profiler writes it so)."""
+    saved = profiles.load("a100-mixtral-nf4-hf").save(tmp_path / "p")
+    append_row(saved, row)
     with pytest.raises(ValueError, match=re.escape(message)):
         Profile.load(saved)
 
@@ -827,7 +869,8 @@ def test_a_saved_profile_is_version_3_and_versions_1_and_2_still_load(tmp_path):
     for version, keep in ((2, -1), (1, -2)):
         old = tmp_path / f"v{version}"
         shutil.copytree(saved, old)
-        (old / "profile.json").write_text(json.dumps({**meta, "schema_version": version}))
+        older = {k: v for k, v in meta.items() if k != "points"}  # no row count then
+        (old / "profile.json").write_text(json.dumps({**older, "schema_version": version}))
         rows = [line for line in lines if "2.25" not in line]  # a point only version 3 has
         if version == 1:  # no wake_up either: keyed by idle_ms, its points would be one
             rows = [line for line in rows if not line.startswith("wake_up,")]
