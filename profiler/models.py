@@ -7,7 +7,9 @@ ever downloaded: ``from_pretrained`` runs with ``local_files_only=True``.
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +134,10 @@ def build_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if path:  # named after its directory, not after the group's default preset
+        if overrides:  # they went nowhere, and the run's config said they had applied
+            raise ModelError(f"model.config {sorted(overrides)} with model.path={path}: the "
+                             "overrides apply to a preset only (a checkpoint's config.json "
+                             "is its own); drop them, or edit the checkpoint's config")  # fmt: skip
         model, source = _load_local(str(path), dev, dt), str(path)
         name = os.path.basename(os.path.normpath(str(path)))
     else:
@@ -155,6 +161,16 @@ def _build_preset(
         raise ModelError(f"unknown model {name!r}; expected one of {sorted(PRESETS)} or model.path")
     class_name, kwargs = PRESETS[name]
     config_class = getattr(transformers, class_name)
+    # transformers keeps an unknown key as a plain attribute: a misspelt override
+    # (num_local_expert=4) built the preset as it is, recorded as overridden, without a word.
+    # A warning, not an error: a model may read a key its config class does not declare
+    # (tiny-qwen3-moe's head_dim), which the preset's own keys show
+    known = {*config_class().to_dict(), *getattr(config_class, "attribute_map", {}), *kwargs,
+             *inspect.signature(config_class.__init__).parameters}  # fmt: skip
+    for key in sorted(set(overrides) - known):
+        print(f"warning: model.config.{key} is not a field of {class_name}: transformers "
+              "keeps it, but the model may read nothing of it (a misspelt key?); the preset's "
+              f"fields include {', '.join(sorted(kwargs))}", file=sys.stderr)  # fmt: skip
     try:
         config = config_class(**{**kwargs, "bos_token_id": None, "eos_token_id": None, **overrides})
     except (TypeError, ValueError) as e:

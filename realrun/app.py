@@ -16,8 +16,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from realrun.config import RealrunConfig, validate_realrun
-from sim.app import job_config, overload
+from realrun.config import ClockKind, RealrunConfig, validate_realrun
+from sim.app import config_notes, few_samples, job_config, overload
 from sim.cli import CONF_DIR, App, discard_unfinished, fail, job, run
 from sim.config import UserError
 from sim.metrics import write_outputs
@@ -29,8 +29,15 @@ ConfigStore.instance().store(name="realrun_schema", node=RealrunConfig)
 
 
 def check(cfg: DictConfig) -> None:
-    """What can be checked before Hydra makes a run directory (and before torch loads)."""
+    """What can be checked before Hydra makes a run directory (and before torch loads); and,
+    as qllm-sim, a warning for each key set where nothing reads it (until 2026-12-04 they
+    went into summary.json's config as if applied) and a note of a trace cut short."""
     validate_realrun(cfg)
+    ignored = []
+    if ClockKind(cfg.clock) is not ClockKind.virtual and cfg.virtual_stage_ms != 1.0:
+        ignored.append(f"virtual_stage_ms={cfg.virtual_stage_ms:g} is ignored without "
+                       "clock=virtual")  # fmt: skip
+    config_notes(cfg, ignored)
     build_policy(cfg.policy)
 
 
@@ -64,9 +71,9 @@ def main(cfg: DictConfig) -> float | None:
         f"preemptions={r.preemptions} -> {run_dir}",
         flush=True,
     )
-    warning = overload(out.requests)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
+    for warning in [overload(out.requests), *few_samples(out.summary)]:
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     return ls["ttft_s"]["mean"]
 
 

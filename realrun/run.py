@@ -36,10 +36,14 @@ class RealOutput:
     trace: ChromeTrace | None
 
 
+# torch's own thread count, before any job set one: threads=null restores it (in a -m sweep
+# the jobs share the process, and threads=null ran with the previous job's count)
+DEFAULT_THREADS = torch.get_num_threads()
+
+
 def load_model(cfg: Any) -> tuple[ModelRunner, ModelInfo]:
     """The configured model on its device, behind a runner; model errors become UserErrors."""
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    torch.set_num_threads(int(cfg.threads) if cfg.threads else DEFAULT_THREADS)
     model_cfg = cfg.model
     if isinstance(model_cfg, DictConfig):  # config overrides reach transformers as plain values
         model_cfg = OmegaConf.to_container(model_cfg, resolve=True)

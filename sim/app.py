@@ -40,11 +40,11 @@ ConfigStore.instance().store(name="base_config", node=SimConfig)
 _ignored_warned: set[str] = set()  # once per invocation, not once per run of a sweep
 
 
-def check(cfg: DictConfig) -> None:
-    """What can be checked before Hydra makes a run directory; and a warning for each key set
-    where nothing reads it."""
-    validate(cfg)
-    lines = [f"warning: {line}" for line in ignored_keys(cfg)]
+def config_notes(cfg: DictConfig, ignored: list[str] | None = None) -> None:
+    """A warning for each key set where nothing reads it (``ignored_keys``, and ``ignored``:
+    the caller's own), and a note of how much of a trace the workload replays: each line
+    once per invocation (a sweep checks every job's config). qllm-sim's and qllm-realrun's."""
+    lines = [f"warning: {line}" for line in [*ignored_keys(cfg), *(ignored or [])]]
     rows, n = _trace_rows(cfg.workload), cfg.workload.num_requests
     if rows is not None and n > rows:
         lines.append(f"note: workload.num_requests={n} is more than the trace's {rows} requests: "
@@ -56,6 +56,13 @@ def check(cfg: DictConfig) -> None:
         if line not in _ignored_warned:
             _ignored_warned.add(line)
             print(line, file=sys.stderr)
+
+
+def check(cfg: DictConfig) -> None:
+    """What can be checked before Hydra makes a run directory; and a warning for each key set
+    where nothing reads it."""
+    validate(cfg)
+    config_notes(cfg)
     build_policy(cfg.policy)
     profiles.load(cfg.profile.name, cfg.profile.path)
 

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from policies.core import BE, LS, Request
 from policies.scheduler import Scheduler
-from profiler.models import build_model
+from profiler.models import ModelError, build_model
 from profiler.ops import ModelRunner
 from realrun.clock import CpuClock, VirtualClock, WallClock
 from realrun.engine import RealEngine
@@ -241,6 +241,59 @@ def test_exact_tokens_on_cuda():
         )[0, r.prompt_tokens :].tolist()
         assert result.tokens[r.id] == ref
     assert result.preemptions >= 5
+
+
+def test_keys_nothing_reads_are_warned_of_as_qllm_sim_does(tmp_path):
+    """qllm-realrun took memory.block_size_tokens without paged memory, workload.cv without
+    gamma arrivals and virtual_stage_ms on the wall clock without a word, and summary.json's
+    config recorded them as applied; the p99 of a class of few requests went unflagged."""
+    done = run_cli(tmp_path, "workload=synthetic", "workload.num_requests=3", "workload.rate=50",
+                   "workload.prompt.tokens=12", "workload.output.tokens=3", "clock=virtual",
+                   "memory.block_size_tokens=64", "workload.cv=3")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "warning: memory.block_size_tokens=64 is ignored without memory.model=paged" in (
+        done.stderr
+    )
+    assert "warning: workload.cv=3.0 is ignored without workload.arrival=gamma" in done.stderr
+    assert "requests in this run: its p99 rests on fewer than 100 samples" in done.stderr
+    done = run_cli(tmp_path / "wall", "workload=synthetic", "workload.num_requests=2",
+                   "workload.rate=50", "workload.prompt.tokens=12", "workload.output.tokens=2",
+                   "virtual_stage_ms=50")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "warning: virtual_stage_ms=50 is ignored without clock=virtual" in done.stderr
+
+
+def test_threads_null_is_torchs_default_again_after_a_job_set_one(monkeypatch):
+    """In a -m sweep the jobs share the process: threads=null kept the previous job's count,
+    so threads=1,null ran both on one thread."""
+    from realrun import run as realrun_run
+
+    monkeypatch.setattr(realrun_run, "DEFAULT_THREADS", 3)  # torch's own, as imported
+    cfg = OmegaConf.create({"threads": 1, "model": {"name": "tiny-mixtral"}, "device": "cpu",
+                            "dtype": "float32", "seed": 0})  # fmt: skip
+    try:
+        realrun_run.load_model(cfg)
+        assert torch.get_num_threads() == 1
+        cfg.threads = None
+        realrun_run.load_model(cfg)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(1)  # this module's (one_thread)
+
+
+def test_model_config_overrides_are_checked(tmp_path, capsys):
+    """A misspelt override (num_local_expert) built the preset unchanged, and with model.path
+    every override was dropped: both recorded in summary.json as applied."""
+    model, _ = build_model({"name": "tiny-mixtral", "config": {"num_local_expert": 4}})
+    assert model.config.num_local_experts == 8
+    assert ("warning: model.config.num_local_expert is not a field of MixtralConfig"
+            in capsys.readouterr().err)  # fmt: skip
+    model, _ = build_model({"name": "tiny-mixtral", "config": {"num_local_experts": 4}})
+    assert model.config.num_local_experts == 4 and capsys.readouterr().err == ""
+    model.save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ModelError, match=r"model.config \['num_local_experts'\] with "
+                                         r"model.path=.*apply to a preset only"):  # fmt: skip
+        build_model({"path": str(tmp_path / "ckpt"), "config": {"num_local_experts": 2}})
 
 
 def test_a_checkpoint_whose_tokenizer_does_not_load_is_warned_of(tmp_path, capsys):
