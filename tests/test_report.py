@@ -307,6 +307,39 @@ def test_paired_bootstrap_interval_spans_the_resampled_means():
     assert c["per_rate"]["1"]["ls_ttft_reduction_ci95"] == pytest.approx([6.0, 8.0])
 
 
+def test_an_slo_rate_interval_counts_the_resamples_that_meet_it_nowhere():
+    """Resamples that met the SLO at no rate were dropped as missing: a point of "none" was
+    printed with an interval of [2-2] (the shipped like-for-like reading: [6.0-8.0] from the
+    3.1% of resamples that met it somewhere)."""
+    # two replicates at rates 1 and 2: qllm's LS TTFT 1 s, but 10 s in replicate 1 at rate 1
+    table = _table({"iteration": {1.0: 5.0, 2.0: 6.0}, "qllm": {1.0: 1.0, 2.0: 1.0}})
+    slow = (table.policy == "qllm") & (table.cls == "LS") & (table.rate == 1.0)
+    table.loc[slow & (table.replicate == 1), "ttft_mean_s"] = 10.0
+    c = compare(table)
+    assert c["slo_max_rate_qllm"] is None  # mean 5.5 s at rate 1: over the 3 s SLO
+    # a resample meets it (up to 2) only when it draws replicate 0 twice at rate 1: 1 in 4
+    assert c["ci95"]["slo_max_rate_qllm"] == [None, 2.0]
+    assert c["ci95"]["slo_max_rate_baseline"] == [None, None]  # none in every resample
+    from sim.reproduce.analysis import verdict
+    from sim.reproduce.writeup import _rate_ci
+
+    assert _rate_ci([None, 2.0]) == "[none-2]"
+    assert _rate_ci([None, None]) == "[none in 97.5% of resamples]"
+    assert verdict(1.5, 2.0, [None, 2.0]).startswith("Consistent")
+
+
+def test_findings_count_a_20_percent_lower_ttft_not_a_1_2x_gain():
+    from sim.reproduce.writeup import engines_finding, where_finding
+
+    row = {"profile": "p", "ls_fraction": 0.2, "load": 1.0, "gain": 1.23,
+           "gain_ci95": [1.21, 1.25], "expert_over_layer": 1.0}  # fmt: skip
+    assert "by more than 20% (lower end of the 95% interval) at 0 of 1" in where_finding([row])
+    row["gain_ci95"] = [1.26, 1.3]
+    assert "at 1 of 1" in where_finding([row])
+    engine = {"profile": "p", "kv_capacity": 1, "load": 1.0, "engine_over_qllm": 1.051}
+    assert "by more than 5% at 0 of 1" in engines_finding([engine])  # 4.9% lower
+
+
 def test_slo_max_rate_is_the_end_of_the_first_run_of_met_rates():
     assert slo_max_rate(pd.Series({1.0: True, 2.0: False, 3.0: True})) == 1.0
     assert slo_max_rate(pd.Series({3.0: True, 1.0: True, 2.0: True})) == 3.0
@@ -381,6 +414,20 @@ def test_reproduce_says_which_asked_rates_an_experiment_does_not_run(tmp_path, c
     assert "warning: --rates 1.5: not among experiment paper's rates (" in capsys.readouterr().err
     c = json.loads((tmp_path / "comparison.json").read_text())
     assert c["top_rate"] == 1.0
+
+
+def test_num_requests_scales_an_experiment_of_its_own_length(monkeypatch, capsys):
+    """--num-requests 64 ran jobs1000 with 64 requests, and the write-up still said 1000."""
+    from sim.reproduce import grid
+
+    seen = []
+    monkeypatch.setattr(grid, "run_task", lambda name, axis, base, rep, cfgs: seen.append(
+        (name, cfgs[0][1].workload.num_requests)) or ([], []))  # fmt: skip
+    monkeypatch.setattr(grid, "tidy", lambda frame: frame)  # no rows to tidy
+    grid.run_grid(reproduce.by_name(["paper", "jobs1000"]), seeds=1, rates=[1.0],
+                  num_requests=64, jobs=1)  # fmt: skip
+    assert set(seen) == {("paper", 64), ("jobs1000", 250)}  # 1000 x 64 / 256
+    assert "experiment jobs1000's 1000 requests per run scaled to 250" in capsys.readouterr().err
 
 
 # The README's notebook commands: a relative QLLM_RESULTS, the executed copy written elsewhere.

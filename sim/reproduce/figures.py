@@ -112,7 +112,7 @@ def write_figures(table: pd.DataFrame, requests: pd.DataFrame, where: dict, out:
         paths.append(plot_panels(_of(table, "paper", arms), [
             ("LS", "ttft_mean_s", "LS mean TTFT (s)", True),
             ("BE", "turnaround_mean_s", "BE mean turnaround (s)", True),
-            ("all", "jobs_per_s", "throughput (jobs/s)", False),
+            ("all", "jobs_per_s", "jobs/s over the whole run (drain included)", False),
         ], out / "readings.png", "Readings of the comparison (paper setup)"))  # fmt: skip
     for name, file, heading in (
         ("card", "card_workload.png", "Card workload: HumanEval LS, ShareGPT BE"),

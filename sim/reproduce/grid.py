@@ -86,10 +86,19 @@ def run_grid(experiments: list[Experiment], seeds: int | None = None, rates=None
              num_requests: int | None = None, jobs: int = 2):  # fmt: skip
     """The tidy table (experiment x arm x point x class) and per-request TTFTs of the paper
     experiment."""
-    extra = [f"workload.num_requests={num_requests}"] if num_requests else []
     tasks = []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for exp in experiments:
+            extra = []
+            if num_requests:  # an experiment of its own length (jobs1000) keeps its ratio to
+                own = exp.changes.get("workload.num_requests")  # the paper's (it overrode
+                paper = int(PAPER_SETUP["workload.num_requests"])  # it to the paper's)
+                n = num_requests if own is None else max(1, round(int(own) * num_requests / paper))
+                if own is not None:
+                    print(f"note: --num-requests {num_requests}: experiment {exp.name}'s {own} "
+                          f"requests per run scaled to {n} (the paper setup's {paper} to "
+                          f"{num_requests})", file=sys.stderr)  # fmt: skip
+                extra = [f"workload.num_requests={n}"]
             if rates:
                 kept = tuple(r for r in exp.rates if r in rates) or tuple(rates)
                 dropped = [r for r in rates if r not in kept]

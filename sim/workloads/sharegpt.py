@@ -60,8 +60,10 @@ def read_conversations(path: Path) -> tuple[list, bool]:
 
 
 def first_turns(records: list) -> tuple[list[str], list[str]]:
-    """Each conversation's first (human prompt, gpt reply). Repeated prompts are kept, as in
-    vLLM's ShareGPT benchmark: they are separate jobs ("hi" alone opens 48 conversations)."""
+    """Each record's first (human prompt, gpt reply), where its first two turns are those: a
+    record of the V3 split file is a conversation or a later part of one (the README's
+    workloads say how many of each). Repeated prompts are kept, as in vLLM's ShareGPT
+    benchmark: they are separate jobs ("hi" alone opens 48 conversations)."""
     prompts: list[str] = []
     replies: list[str] = []
     for record in records:
