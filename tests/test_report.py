@@ -324,7 +324,7 @@ def test_an_slo_rate_interval_counts_the_resamples_that_meet_it_nowhere():
     from sim.reproduce.writeup import _rate_ci
 
     assert _rate_ci([None, 2.0]) == "[none-2]"
-    assert _rate_ci([None, None]) == "[none in 97.5% of resamples]"
+    assert _rate_ci([None, None]) == "[none in 97.5% of resamples or more]"
     assert verdict(1.5, 2.0, [None, 2.0]).startswith("Consistent")
 
 

@@ -87,7 +87,7 @@ def _rate_ci(pair) -> str:
     if not pair:
         return ""
     lo, hi = ("none" if b is None else f"{b:g}" for b in pair)
-    return "[none in 97.5% of resamples]" if hi == "none" else f"[{lo}-{hi}]"
+    return "[none in 97.5% of resamples or more]" if hi == "none" else f"[{lo}-{hi}]"
 
 
 def differences(c: dict) -> dict[str, str]:
