@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from realrun.config import ClockKind, RealrunConfig, validate_realrun
+from realrun.validate import PAGE_FAULT_WARNING
 from sim.app import config_notes, few_samples, job_config, overload
 from sim.cli import CONF_DIR, App, discard_unfinished, fail, job, run
 from sim.config import UserError
@@ -71,7 +72,11 @@ def main(cfg: DictConfig) -> float | None:
         f"preemptions={r.preemptions} -> {run_dir}",
         flush=True,
     )
-    for warning in [overload(out.requests), *few_samples(out.summary)]:
+    faults = s["executor"].get("page_faults") or 0
+    mapped = (f"warning: the run page-faulted {faults} times: host memory mapped in mid-run is "
+              "in its times (warmup=false skips the warm-up's reserve of the run's KV "
+              "footprint)" if faults > PAGE_FAULT_WARNING else None)  # fmt: skip
+    for warning in [overload(out.requests), *few_samples(out.summary), mapped]:
         if warning:
             print(warning, file=sys.stderr, flush=True)
     return ls["ttft_s"]["mean"]

@@ -138,7 +138,7 @@ def execute(
 def realrun(cfg: Any) -> RealOutput:
     """The ``qllm-realrun`` pipeline."""
     validate_realrun(cfg)
-    runner, _ = load_model(cfg)
+    runner, info = load_model(cfg)
     requests, prompts = prepare_requests(cfg, runner)
     memory = measure_memory(runner)
     capacity = cfg.kv_capacity_tokens or memory.kv_capacity_tokens
@@ -166,4 +166,11 @@ def realrun(cfg: Any) -> RealOutput:
     level = TraceLevel(cfg.trace)
     trace = None if level is TraceLevel.off else ChromeTrace(stages=level is TraceLevel.stages)
     clock = make_clock(ClockKind(cfg.clock), cfg.get("virtual_stage_ms", 1.0))
-    return execute(requests, prompts, scheduler, runner, cfg.slo, clock, trace, cfg.progress)
+    out = execute(requests, prompts, scheduler, runner, cfg.slo, clock, trace, cfg.progress)
+    # what ran, where the config says auto or null (summary.json's config keeps what was asked:
+    # a CPU and a GPU run of one config, or two jobs of a sweep that measured another free
+    # memory, were otherwise told apart by nothing)
+    out.summary["executor"].update({
+        "device": str(info.device), "dtype": str(info.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "kv_capacity_tokens": int(capacity)})  # fmt: skip
+    return out

@@ -187,6 +187,11 @@ def test_cli_writes_the_simulator_schema_and_a_chrome_trace(tmp_path):
     assert (df.ttft_s > 0).all() and (df.turnaround_s >= df.ttft_s).all()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["completed"] == 6 and summary["executor"]["events"] > 0
+    # what ran where the config says auto or null: device, dtype, threads, the KV capacity
+    executor = summary["executor"]
+    assert summary["config"]["device"] == "auto" and summary["config"]["dtype"] == "auto"
+    assert (executor["device"], executor["dtype"], executor["threads"]) == ("cpu", "float32", 1)
+    assert summary["config"]["kv_capacity_tokens"] is None and executor["kv_capacity_tokens"] > 0
     # the config that produced the results, as qllm-sim stores it: what a report reads
     # (.hydra/config.yaml is rewritten by a relaunch into the same directory)
     assert summary["config"]["policy"]["name"] == "qllm"

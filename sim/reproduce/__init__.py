@@ -48,8 +48,8 @@ def main(argv=None) -> int:
                     help="replicates per point for every experiment (default: 20 for the "
                     "paper setup, 10 for the others)")  # fmt: skip
     ap.add_argument("--num-requests", type=int, default=None,
-                    help="jobs per run instead of the paper setup's 256, an experiment of "
-                    "its own length (jobs1000) scaled in proportion (for quick checks)")  # fmt: skip
+                    help="jobs per run instead of the paper setup's 256, an experiment "
+                    "of its own length (jobs1000) scaled in proportion (quick checks)")  # fmt: skip
     ap.add_argument("--experiments", nargs="+", default=[e.name for e in EXPERIMENTS],
                     choices=[e.name for e in EXPERIMENTS])  # fmt: skip
     ap.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
