@@ -386,7 +386,7 @@ class RunBudget:
     validation under an outside time limit (the GPU check's, a device lease's) reports the
     points it ran instead of being killed with nothing written. Before each run it asks
     whether the run, as long as expected, still ends within the budget: the simulator's
-    makespan for its point (``expect``) times the largest ratio of a run's measured wall time
+    makespan for its point times the largest ratio of a run's measured wall time
     to its point's makespan seen so far (1 before the first run); before each pass, the
     longest pass so far. What follows the runs (predictions, simulations, the plot: seconds on
     a tiny model or the GPU check's) comes on top. ``budget_s`` None: everything fits."""
