@@ -35,7 +35,8 @@ def check(cfg: DictConfig) -> None:
     went into summary.json's config as if applied) and a note of a trace cut short."""
     validate_realrun(cfg)
     ignored = []
-    if ClockKind(cfg.clock) is not ClockKind.virtual and cfg.virtual_stage_ms != 1.0:
+    default_ms = RealrunConfig.virtual_stage_ms
+    if ClockKind(cfg.clock) is not ClockKind.virtual and cfg.virtual_stage_ms != default_ms:
         ignored.append(f"virtual_stage_ms={cfg.virtual_stage_ms:g} is ignored without "
                        "clock=virtual")  # fmt: skip
     config_notes(cfg, ignored)

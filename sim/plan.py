@@ -912,8 +912,8 @@ def parser() -> argparse.ArgumentParser:
 
 def few_samples_warning(smallest: int, ls_fraction: float) -> None:
     """qllm-sim's warning of a class whose p99 rests on fewer than FEW_SAMPLES requests, for
-    the smallest runs of a search (``smallest`` requests: --min-requests on the fewest
-    replicas; a run at a higher rate has more), before they run."""
+    the smallest runs of a search (``smallest`` requests: those at --rate-lo on the fewest
+    replicas; a run at a higher rate has as many or more), before they run."""
     from sim.app import FEW_SAMPLES
 
     for cls, share, which in ((LS, ls_fraction, "the LS TTFT p99 target's reading"),
@@ -1021,7 +1021,9 @@ def main(argv=None) -> int:
                   "bursts recur), which keeps_up needs to tell a backlog from noise",
                   file=sys.stderr)  # fmt: skip
     if whole is None and (share := cfg.workload.get("ls_fraction")) is not None:
-        few_samples_warning(args.min_requests * min(args.replicas), share)
+        fewest = min(args.replicas)  # a search's lowest rate is --rate-lo per replica
+        few_samples_warning(num_requests(args.rate_lo * fewest, horizon_s, args.min_requests,
+                                         fewest), share)  # fmt: skip
     out = args.out or Path("results/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
     out.mkdir(parents=True, exist_ok=True)
     cache = Evaluations(out / "evaluations.csv")
