@@ -157,7 +157,8 @@ step modes 150 modes.json $PY -m gpu.modes --model "$MODEL" --device "$DEVICE" \
   --steps "$([ "$DRY" = 1 ] && echo 20 || echo 300)" --json "$R/modes.json"
 # validate's own time budget (time_budget_s): the limit step() will give it, less
 # VALIDATE_AFTER_S for Python's start and what follows its runs (run 4 on the H200: 3 s
-# before its clock, 15 s of predictions, simulations and the plot), so that a short lease
+# before its clock; predictions and simulations 2 s, and 13 s of "other": the model's load
+# before the runs, the files and the plot after them), so that a short lease
 # leaves a validation of the points it ran (runs 5 and 6 were killed in their runs and left
 # none)
 VALIDATE_AFTER_S=40
