@@ -1097,15 +1097,15 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None,
                               for p in host_points))  # fmt: skip
     reals = [[] for _ in cases]  # per case: each replay's summary, segments
     # time_budget_s: each point's predicted makespan, against which its runs are expected
-    makespans = [simulate(sims[policy], requests=workloads[i][0], profile=profile,
-                          warn=False).summary["makespan_s"] if budget.active else 0.0
-                 for i, (_, _, policy) in enumerate(cases)]  # fmt: skip
+    with phases("simulation"):
+        makespans = [simulate(sims[policy], requests=workloads[i][0], profile=profile,
+                              warn=False).summary["makespan_s"] if budget.active else 0.0
+                     for i, (_, _, policy) in enumerate(cases)]  # fmt: skip
     bar = tqdm(total=len(cases) * cfg.replays, desc="validating", unit="run",
                disable=not cfg.progress)  # fmt: skip
     # Round by round: every case once (in a random order: run_orders), then a pass of the
     # profile (when measured now).
     orders = run_orders(len(cases), cfg.replays, cfg.seed, cfg.shuffle)
-    runs_done = 0
     for round_no, order in enumerate(orders):
         for place, i in enumerate(order):
             if not budget.fits_run(makespans[i]):
@@ -1119,7 +1119,6 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None,
             budget.ran(makespans[i], time.perf_counter() - start)
             reals[i].append((real.summary, real.result.segments, round_no * len(cases) + place,
                              real.result.probes))  # fmt: skip
-            runs_done += 1
             bar.update()
         else:
             with phases("profile"):
@@ -1127,6 +1126,7 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None,
                     continue
         break  # time_budget_s: what is left is not run
     bar.close()
+    runs_done = sum(map(len, reals))
     if runs_done < len(cases) * cfg.replays or source.passes[0] < source.passes[1]:
         points_left = [f"{cases[i][2]} at {cases[i][1]:g} req/s" for i in range(len(cases))
                        if not reals[i]]  # fmt: skip
