@@ -445,10 +445,18 @@ class Phases:
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
+    # the order a validation's phases are printed in (the order they mostly run in; the
+    # budget's makespan simulations come before the real runs but print with "simulation")
+    ORDER = ("profile", "warm-up and calibration", "real runs", "iteration predictions",
+             "simulation")  # fmt: skip
+
     def line(self, total_s: float) -> str:
         """ "profile 2 min 1 s, real runs 3 min 10 s, ..., other 12 s" (other: the rest of
-        total_s); phases in the order first timed."""
-        parts = [*self.seconds.items(), ("other", total_s - sum(self.seconds.values()))]
+        total_s); phases in ORDER, any other after them in the order first timed."""
+        names = sorted(self.seconds, key=lambda n: (
+            self.ORDER.index(n) if n in self.ORDER else len(self.ORDER)))  # fmt: skip
+        parts = [*((n, self.seconds[n]) for n in names),
+                 ("other", total_s - sum(self.seconds.values()))]  # fmt: skip
         return ", ".join(f"{name} {_min_s(s)}" for name, s in parts)
 
 

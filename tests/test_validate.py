@@ -1058,6 +1058,19 @@ def test_phases_add_up_each_phase_and_name_the_rest_other(monkeypatch):
     assert phases.seconds["simulation"] == 1.0
 
 
+def test_phases_print_in_the_pipelines_order_whatever_was_timed_first(monkeypatch):
+    # time_budget_s simulates each point's makespan before the real runs: "simulation" is
+    # timed first, and still prints after them (the console script's line is checked in
+    # that order)
+    monkeypatch.setattr(validate.time, "perf_counter", iter(range(0, 100, 1)).__next__)
+    phases = validate.Phases()
+    for name in ("simulation", "extra", "real runs", "profile"):
+        with phases(name):
+            pass
+    named = [part.rsplit(" ", 2)[0] for part in phases.line(10.0).split(", ")]
+    assert named == ["profile", "real runs", "simulation", "extra", "other"]
+
+
 def curated_table(folder: str, marker: str) -> tuple[str, list[str]]:
     """results/<folder>/summary.md is the table of its curated records, and the README's
     table after ``marker`` starts with its rows: (the README from ``marker`` on, the rows)."""
