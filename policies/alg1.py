@@ -6,6 +6,9 @@ Four FCFS queues: LS-prefill, LS-decode, BE-prefill, BE-decode. The next batch i
 3. LS-decode jobs, the rest filled from BE-decode;
 4. a suspended batch, resumed from its cursor (ours: the paper leaves resume order open);
 5. BE-decode jobs; 6. BE-prefill jobs.
+When memory is short, LS work keeps its place: while an LS prompt waits for KV memory, no BE
+prompt is admitted (step 6 is closed, and step 2 fills a batch with BE prompts only if the
+LS prompts left waiting fit); BE decodes and suspended batches run on and free it.
 This class never preempts: ``layer`` and ``qllm`` (policies/layer.py, policies/qllm.py) add
 preemption inside an iteration on top of this very selection, so ``alg1`` against them
 separates what the queue order buys from what preemption buys.
@@ -39,7 +42,8 @@ Options (each a Hydra key ``policy.<name>``):
 
 Memory: the configured model (``reserve``: prompt + output tokens on admission); a suspended
 batch also holds its saved activations. Unless ``evict_be_for_ls`` is set, nothing is evicted
-for LS work: when memory is short, LS work waits like any other.
+for LS work: when memory is short, an LS job waits for BE work already admitted to finish
+(not for BE work admitted after it).
 """
 
 from __future__ import annotations
@@ -91,17 +95,17 @@ class Algorithm1(Policy):
                 # it (admitted in order); never for overdue BE work alone, which evicting
                 # other BE work would only trade for its own kind, each victim soon overdue
                 # in turn (2,042 recomputes for 150 requests, most of them that)
-                need = 0
-                for q in ls_waiting:
-                    need += s.memory.admit_tokens(q)
-                    if q.cls == LS:
-                        break
-                self._evict_be(s, need)
+                self._evict_be(s, self._ls_need(s, ls_waiting))
             ls = s.take_prefill(ls_waiting, min(size, slots), budget)
             if ls:
                 self._promote(ls)
                 room = min(size, slots) - len(ls)
-                if self.fill_be_prefill and room > 0:
+                # the rest filled with BE prompts, unless an LS prompt is left waiting for KV
+                # memory (a smaller BE prompt would take the room it waits for)
+                left = (ls_waiting[0] if ls_waiting else None) if ls_waiting is s.waiting[LS] \
+                    else (ls_waiting[len(ls)] if len(ls_waiting) > len(ls) else None)  # fmt: skip
+                blocked = left is not None and not s.fits(s.memory.admit_tokens(left))
+                if self.fill_be_prefill and room > 0 and not blocked:
                     used = sum(q.new_tokens for q in ls)
                     fill = s.waiting[BE]
                     ls += s.take_prefill(fill, room, budget - used, alone_if_oversized=False)
@@ -114,8 +118,12 @@ class Algorithm1(Policy):
             return self._decode(s, list(ls_ready), size)
         if s.suspended:
             return s.suspended[0]
+        # 6. BE prompts, none while an LS prompt waits (step 2 admitted nothing: its KV does
+        # not fit, and a smaller BE prompt would take the room it waits for). Algorithm 1
+        # itself goes no further than step 2 while LS-prefill is non-empty; decodes and
+        # resumes still run here, and free memory.
         room = min(size - len(s.ready[BE]), slots)
-        if room > 0 and (self.refill_be or not s.ready[BE]):
+        if not ls_waiting and room > 0 and (self.refill_be or not s.ready[BE]):
             refill = s.take_prefill(s.waiting[BE], room, budget)
             if refill:
                 return prefill_batch(refill)
@@ -127,16 +135,28 @@ class Algorithm1(Policy):
         return n + (s.running.size if s.running is not None else 0)
 
     def _ls_queues(self, s: Scheduler, now: float) -> tuple[Collection[Sequence], ...]:
-        """The LS-prefill and LS-decode queues, with overdue BE jobs merged in when the
-        starvation guard is on. Overdue BE jobs are a prefix of each BE queue: the prefill
-        queue is in arrival order and the decode queue in the order tokens were produced."""
+        """The LS-prefill and LS-decode queues, with overdue BE jobs merged in (longest
+        waiting first) when the starvation guard is on. Every BE job is looked at: an evicted
+        one goes back to the front of its queue, waiting since its last token, so the overdue
+        ones are not a prefix of it."""
         if self.be_max_wait_s is None:
             return s.waiting[LS], s.ready[LS]
-        late_waiting = itertools.takewhile(lambda q: self._overdue([q], now), s.waiting[BE])
-        late_ready = itertools.takewhile(lambda q: self._overdue([q], now), s.ready[BE])
-        waiting = heapq.merge(s.waiting[LS], late_waiting, key=self._waiting_since)
-        ready = heapq.merge(s.ready[LS], late_ready, key=self._waiting_since)
+        since, limit = self._waiting_since, self.be_max_wait_s
+        late_waiting = sorted((q for q in s.waiting[BE] if now - since(q) > limit), key=since)
+        late_ready = sorted((q for q in s.ready[BE] if now - since(q) > limit), key=since)
+        waiting = heapq.merge(s.waiting[LS], late_waiting, key=since)
+        ready = heapq.merge(s.ready[LS], late_ready, key=since)
         return list(waiting), list(ready)
+
+    def _ls_need(self, s: Scheduler, ls_waiting: Collection[Sequence]) -> int:
+        """The KV the first real LS job needs to be admitted: its own charge and that of the
+        overdue BE jobs queued before it (admitted in order; 0 when none waits)."""
+        need = 0
+        for q in ls_waiting:
+            need += s.memory.admit_tokens(q)
+            if q.cls == LS:
+                return need
+        return 0
 
     def _decode(self, s: Scheduler, first: list[Sequence], size: float) -> Batch | None:
         """A decode batch of ``first`` (heads of the decode queues), filled from BE-decode."""
@@ -155,6 +175,12 @@ class Algorithm1(Policy):
 
     def evictable_be_tokens(self, s: Scheduler) -> int:
         return sum(s.held_tokens(v) for v in self._be_victims(s))
+
+    def make_room(self, s: Scheduler, tokens: int, now: float) -> None:
+        """A batch suspended for an LS job: evict BE work for the batch's saved activations
+        and the LS job's admission together, before the activations are charged."""
+        if self.evict_be_for_ls and s.waiting[LS]:
+            self._evict_be(s, tokens + self._ls_need(s, self._ls_queues(s, now)[0]))
 
     def _evict_be(self, s: Scheduler, tokens: int) -> None:
         """Free BE KV until an admission charge of ``tokens`` fits, if evicting can make it."""
@@ -193,7 +219,8 @@ class Algorithm1(Policy):
         """Only steps 2 and 6 read the prefill queues, and each admits in queue order: an
         arrival changes the selection only if it would be admitted there (a prompt queued
         before it was not, so then it is not either). Step 1 comes before both, and step 4
-        before step 6 when the batch holds LS jobs."""
+        before step 6 when the batch holds LS jobs; step 6 admits nothing while an LS prompt
+        waits."""
         size, budget = self.max_batch_size, self.max_batch_prefill_tokens
         ls = sum(q.is_ls for q in batch.sequences)  # the LS-decode queue after this iteration
         if ls >= size:
@@ -205,7 +232,8 @@ class Algorithm1(Policy):
                 return 1
             room = min(size, slots)
         else:
-            if ls or not self.refill_be:  # step 6 is not reached, or skipped (BE decodes wait)
+            # step 6 is not reached, skipped (BE decodes wait) or closed (an LS prompt waits)
+            if ls or not self.refill_be or s.waiting[LS]:
                 return math.inf
             queue, room = s.waiting[BE], min(size - batch.size, slots)
         if room > 0 and s.take_prefill(queue, room, budget, dry_run=True):

@@ -167,9 +167,11 @@ class PagedMemory(Memory):
         return -(-n_tokens // self.block_size_tokens) * self.block_size_tokens
 
     def max_tokens(self, seq: Sequence) -> int:
-        # with the watermark: a request alone must be admissible and grow to its end
+        # with the watermark: a request alone must be admissible, again after a recompute,
+        # and grow to its end; at most prompt + output - 1 tokens are written (the last
+        # token's KV never is)
         spare = self.capacity_tokens - self.admission_limit_tokens
-        return self._tokens(seq.reserved_tokens) + spare
+        return self._tokens(seq.reserved_tokens - 1) + spare
 
     def _need(self, seq: Sequence) -> int:
         held = self.blocks.get(seq.id, 0) * self.block_size_tokens

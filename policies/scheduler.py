@@ -8,7 +8,7 @@ The executor contract (simulator and real engine alike)::
     sched.arrive(request, now)                 # for each arrival
     batch = sched.next_batch(now)              # when idle; None: wait for an arrival
     # run batch's iteration from batch.cursor; at every boundary the policy's granularity
-    # allows (``sched.preemptible``), if sched.should_preempt(): set batch.cursor and call
+    # allows (``sched.preemptible``), if sched.should_preempt(now): set batch.cursor, call
     sched.preempt(now)                         # the batch is suspended, keeping its plan
     partner = sched.merge_partner()            # when a batch starts or resumes; None: no merge
     # run batch's iteration up to partner.cursor, then (unless preempted before)
@@ -97,12 +97,18 @@ class Policy:
     def select(self, s: Scheduler, now: float) -> Batch | None:
         raise NotImplementedError
 
-    def wants_preempt(self, s: Scheduler, running: Batch) -> bool:
-        """Asked only at boundaries finer than an iteration; False keeps the batch running."""
+    def wants_preempt(self, s: Scheduler, running: Batch, now: float) -> bool:
+        """Asked only at boundaries finer than an iteration (``now``: the boundary's time);
+        False keeps the batch running."""
         return False
 
     def on_complete(self, s: Scheduler, batch: Batch, now: float) -> None:
         """Hook called after every completed iteration."""
+
+    def make_room(self, s: Scheduler, tokens: int, now: float) -> None:
+        """Hook called when the running batch is suspended, before its saved activations
+        (``tokens``) are charged: a policy that evicts work for what it preempts for frees
+        the memory here, so that memory in use never exceeds the capacity."""
 
     def merge_partner(self, s: Scheduler, running: Batch) -> Batch | None:
         """A suspended batch whose cursor lies ahead of the running batch's, for the running
@@ -182,6 +188,7 @@ class Scheduler:
         self._admissions = itertools.count()
         self._in_system = 0  # arrived, not finished: routers ask at every arrival
         self._evicted = False  # whether the last next_batch preempted for memory
+        self.step_kv_preemptions = 0  # kv_preemptions when the step being chosen began
         # a fast-forwarded run under growing memory: whether one is in progress, the KV tokens
         # each sequence of its batch holds in its first iteration (None: not counted yet) and
         # through which iteration its blocks are charged
@@ -214,7 +221,8 @@ class Scheduler:
     def next_batch(self, now: float) -> Batch | None:
         if self.running is not None:
             raise RuntimeError("next_batch called while a batch is running")
-        kv_preemptions = self.kv_preemptions
+        # (a policy reads whether this step has preempted: kv_preemptions against this)
+        self.step_kv_preemptions = kv_preemptions = self.kv_preemptions
         while True:
             batch = self.policy.select(self, now)
             if batch is None:
@@ -234,12 +242,13 @@ class Scheduler:
         self.running = batch
         return batch
 
-    def should_preempt(self) -> bool:
-        return self.running is not None and self.policy.wants_preempt(self, self.running)
+    def should_preempt(self, now: float) -> bool:
+        return self.running is not None and self.policy.wants_preempt(self, self.running, now)
 
     def preempt(self, now: float) -> Batch:
         batch = self._take_running()
         held = self.activation_tokens(batch)
+        self.policy.make_room(self, held, now)
         self.memory.hold(held)
         self._held[batch.id] = held
         for seq in batch.sequences:

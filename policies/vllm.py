@@ -80,12 +80,13 @@ class VLLM(Policy):
         )
         self.priority = scheduling_policy == "priority"
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.kv_preemptions_seen = 0  # recomputes + swaps when the last step was chosen
 
     def select(self, s: Scheduler, now: float) -> Batch | None:
         """One engine step, one iteration: the running requests, then waiting ones (V1 puts
         both in one scheduler output, one forward pass, chunked prefill or not)."""
-        preempted = s.kv_preemptions != self.kv_preemptions_seen
+        # preempted in this step (by growing its running requests: a select again after
+        # every one of them was preempted), not in the step before, which V1 forgets
+        preempted = s.kv_preemptions != s.step_kv_preemptions
         chunked = self.enable_chunked_prefill
         budget = self.max_batch_prefill_tokens
         running = sorted([*s.ready[LS], *s.ready[BE], *s.prefilling], key=_admission)
@@ -100,10 +101,12 @@ class VLLM(Policy):
                 s.ready[q.cls].remove(q)
             seqs.append(q)
             budget -= q.new_tokens
-        self.kv_preemptions_seen = s.kv_preemptions
         # V1 allocates the running requests' blocks first and admits no waiting request in a
         # step that preempted: admission leaves room for what the running write in this step,
-        # and none is tried when they cannot all grow (the scheduler then preempts for them)
+        # and none is tried when they cannot all grow (the scheduler then preempts for them).
+        # When that preempted every one of them, this is the select again, with none left
+        # running: the waiting are admitted in this same step (V1 would run a step without
+        # them first; here no step runs without a batch, and the engine would wait idle)
         slots = self.max_batch_size - len(running)
         waiting = len(s.waiting[LS]) + len(s.waiting[BE])
         growth = math.inf  # nothing to admit

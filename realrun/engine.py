@@ -6,7 +6,7 @@ latency model:
 - arrivals are admitted (``sched.arrive``) once the clock has passed their arrival time: when
   idle, the engine sleeps until the next one; while a batch runs, it polls at every boundary
   the policy's granularity allows (``sim.latency.preemptible_boundaries``, the same list the
-  simulator uses) and, when one has arrived, asks ``sched.should_preempt()``;
+  simulator uses) and, when one has arrived, asks ``sched.should_preempt(now)``;
 - a batch's ``plan`` is its runner ``IterationState`` (hidden states, routing, partial expert
   sums); a preempted batch keeps it, so a resumed batch continues from ``batch.cursor`` and
   recomputes nothing;
@@ -263,7 +263,7 @@ class RealEngine:
             ):
                 self._admit(now)
                 batch.cursor = state.cursor
-                if sched.should_preempt():
+                if sched.should_preempt(now):
                     self.stages += stages
                     self._record(batch, start_cursor, state.cursor, start, now, True, faults)
                     sched.preempt(now)

@@ -229,6 +229,10 @@ def ignored_keys(cfg: Any) -> list[str]:
     return out
 
 
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def validate(cfg: Any) -> None:
     """Range and cross-field checks; raises UserError naming the key."""
     w, p, pol, slo = cfg.workload, cfg.profile, cfg.policy, cfg.slo
@@ -285,16 +289,16 @@ def validate(cfg: Any) -> None:
     )
     if "max_batch_size" in pol:  # vllm names its limits max_num_seqs, max_num_batched_tokens
         need(
-            pol.max_batch_size is None or pol.max_batch_size >= 1,
+            pol.max_batch_size is None or (_integer(pol.max_batch_size) and pol.max_batch_size >= 1),
             "policy.max_batch_size",
             pol.max_batch_size,
-            "must be >= 1, or null for no cap",
+            "must be an integer >= 1, or null for no cap",
         )
         need(
-            pol.max_batch_prefill_tokens >= 1,
+            _integer(pol.max_batch_prefill_tokens) and pol.max_batch_prefill_tokens >= 1,
             "policy.max_batch_prefill_tokens",
             pol.max_batch_prefill_tokens,
-            "must be >= 1",
+            "must be an integer >= 1",
         )
     m = getattr(cfg, "memory", None)  # the real engine's config has no memory group
     if m is not None:

@@ -165,7 +165,7 @@ class Simulation:
             self._in_run = False
             self._executor.interrupt()
             self.events += 1
-        elif self._interruptible and self.sched.should_preempt():
+        elif self._interruptible and self.sched.should_preempt(self.env.now):
             self._interruptible = False
             self._executor.interrupt()
             self.events += 1
@@ -183,7 +183,7 @@ class Simulation:
         """Whether an arrival during a fast-forwarded run changes what the run assumed: the
         policy preempts the batch, or would select otherwise before the run's end."""
         sched = self.sched
-        if sched.preemptible and sched.should_preempt():
+        if sched.preemptible and sched.should_preempt(self.env.now):
             return True
         return sched.decode_run_on_arrival(seq) < self._run_iterations
 
@@ -333,7 +333,7 @@ class Simulation:
             return start, False
         if j > 1:  # the iteration in progress runs on by its plan
             batch.plan = run.plan(j)
-        if sched.preemptible and sched.should_preempt():
+        if sched.preemptible and sched.should_preempt(self.env.now):
             preempted = yield from self._to_boundary(batch, env.now - start)
         else:
             preempted = yield from self._run_lookup(batch, start_s=start)
@@ -347,7 +347,7 @@ class Simulation:
         iteration started, if before now (the one in progress when an arrival cut a
         fast-forward; then no stop)."""
         env, plan = self.env, batch.plan
-        if start_s is None and self.sched.preemptible and self.sched.should_preempt():
+        if start_s is None and self.sched.preemptible and self.sched.should_preempt(self.env.now):
             # asked already (an arrival during a wake-up or a switch, which nothing
             # interrupts): the next preemptible boundary past the cursor, as stepping finds it
             return (yield from self._to_next_allowed(batch, stop))
@@ -419,7 +419,7 @@ class Simulation:
             yield env.timeout(max(0.0, start + plan.offset(boundary) - env.now))
             self.events += 1
             batch.cursor = boundary
-            if boundary in allowed and self.sched.should_preempt():
+            if boundary in allowed and self.sched.should_preempt(self.env.now):
                 return True
         return False
 

@@ -902,7 +902,8 @@ def _select_alg1(g, ci, ri, lists, REQ, SI, r):
         n = _take_prefill(g, ci, ri, lists, REQ, SI, r, True, 0, most, budget, True)
         if n:
             room = most - n
-            if ci[C_FILL] and room > 0:
+            # filled with BE prompts unless an LS prompt is left waiting for KV memory
+            if ci[C_FILL] and room > 0 and not _ls_head_blocked(ci, ri, REQ, r):
                 used = 0
                 for k in range(n):
                     used += REQ[lists[r, BATCH, k], Q_PROMPT]
@@ -918,8 +919,10 @@ def _select_alg1(g, ci, ri, lists, REQ, SI, r):
     if ri[r, R_S_N]:  # 5. the suspended batch
         ri[r, R_PHASE] = 3
         return DONE
-    room = min(size - ri[r, R_RN_BE], slots)  # 6. BE prefills while decode batches are short
-    if room > 0 and (ci[C_REFILL] or ri[r, R_RN_BE] == 0):
+    # 6. BE prefills while decode batches are short, none while an LS prompt waits (here:
+    # for KV memory; no BE prompt is admitted ahead of it)
+    room = min(size - ri[r, R_RN_BE], slots)
+    if ri[r, R_W_LS] == 0 and room > 0 and (ci[C_REFILL] or ri[r, R_RN_BE] == 0):
         n = _take_prefill(g, ci, ri, lists, REQ, SI, r, False, 0, room, budget, True)
         if n:
             ri[r, R_N_BATCH], ri[r, R_PHASE], ri[r, R_HAS_LS] = n, 1, 0
@@ -928,6 +931,15 @@ def _select_alg1(g, ci, ri, lists, REQ, SI, r):
     if n:
         ri[r, R_N_BATCH], ri[r, R_PHASE], ri[r, R_HAS_LS] = n, 2, 0
     return DONE
+
+
+@njit(cache=True, inline="always")
+def _ls_head_blocked(ci, ri, REQ, r):
+    """Whether an LS prompt waits and its reservation does not fit in KV memory."""
+    if ri[r, R_W_LS] == 0:
+        return False
+    head = ri[r, R_W_HEAD]
+    return ri[r, R_USED] + REQ[head, Q_PROMPT] + REQ[head, Q_OUT] > ci[C_CAPACITY]
 
 
 @njit(cache=True, inline="always")
@@ -1100,7 +1112,8 @@ def _repeats(ci, ri, REQ, SI, r):
         return True
     # (step 5 does not come into it: a batch without LS work is selected only when none is
     # suspended, and none is while it runs: a suspension ends it)
-    if ci[C_REFILL] and min(size - n, slots) > 0 and ri[r, R_W_N] - ri[r, R_W_LS] > 0:
+    if (ci[C_REFILL] and min(size - n, slots) > 0 and ri[r, R_W_LS] == 0
+            and ri[r, R_W_N] - ri[r, R_W_LS] > 0):  # fmt: skip
         head = ri[r, R_WH_BE]
         if REQ[head, Q_PROMPT] + REQ[head, Q_OUT] <= free:
             return False

@@ -57,10 +57,50 @@ def build_policy(cfg: Any) -> Policy:
     if unknown:
         raise UserError(f"policy.{unknown[0]}: not a setting of policy {name}; allowed: "
                         f"{sorted(allowed | {'name', '_target_'})}")  # fmt: skip
+    for key, value in params.items():
+        wrong = option_type_error(cls, key, value)
+        if wrong:
+            raise UserError(f"policy={name}: {key}={value}: {wrong}")
     try:
         return cls(**params)
     except (TypeError, ValueError) as e:
         raise UserError(f"policy={name}: {e}") from None
+
+
+# What a policy option's annotation (a string: policies use ``from __future__ import
+# annotations``) takes, by the names in it; another annotation is not checked here.
+_TAKES = {
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def option_type_error(cls: type, key: str, value: Any) -> str | None:
+    """Why ``value`` is not of the type ``cls``'s constructor declares for ``key`` (its own or
+    a base's), or None. Hydra passes ``no``, ``off`` or ``abc`` through as strings, and a
+    policy that reads one as a flag takes any of them for true (``evict_be_for_ls=no``
+    evicted)."""
+    for klass in cls.__mro__[:-1]:
+        if "__init__" in klass.__dict__:
+            param = inspect.signature(klass.__init__).parameters.get(key)
+            if param is not None:
+                break
+    else:
+        return None
+    annotation = param.annotation
+    if not isinstance(annotation, str):
+        annotation = getattr(annotation, "__name__", str(annotation))
+    names = [n.strip() for n in annotation.split("|")]
+    if not names or any(n not in _TAKES and n != "None" for n in names):
+        return None  # an annotation this check does not read
+    if value is None and "None" in names:
+        return None
+    if any(_TAKES[n][1](value) for n in names if n != "None"):
+        return None
+    takes = " or ".join(_TAKES[n][0] for n in names if n != "None")
+    return f"must be {takes}" + (", or null" if "None" in names else "")
 
 
 def policy_options(cls: type) -> set[str]:

@@ -69,6 +69,11 @@ CASES = {
                    "policy=qllm"],
     "qllm-cluster": [*CONV, "workload.num_requests=600", "workload.rate=9", "policy=qllm",
                      "cluster.replicas=3", "cluster.router=ls_first"],
+    # a small KV cache under Algorithm 1: LS prompts wait for memory, no BE prompt goes first
+    "qllm-small-cache": ["workload=paper", "workload.num_requests=300", "workload.rate=3",
+                         "policy=qllm", "profile.kv_capacity_tokens=4000"],
+    "alg1-small-cache": ["workload=paper", "workload.num_requests=300", "workload.rate=3",
+                         "policy=alg1", "profile.kv_capacity_tokens=4000"],
 }  # fmt: skip
 
 
@@ -142,8 +147,10 @@ def test_the_cases_cover_what_they_claim():
     """The cases reach the paths they are there for (or their comparison proves nothing)."""
     budget = run(CASES["conv-token-budget"])
     assert budget.result.peak_kv_used_tokens <= 30000
-    small = run(CASES["conv-small-cache"])
-    assert small.result.peak_kv_used_tokens > 0.9 * 40000  # memory bound the admissions
+    for case, capacity in (("conv-small-cache", 40000), ("qllm-small-cache", 4000),
+                           ("alg1-small-cache", 4000)):  # fmt: skip
+        small = run(CASES[case])
+        assert small.result.peak_kv_used_tokens > 0.9 * capacity, case  # memory bound them
     per = run(CASES["cluster-ls_dedicated"]).requests
     assert set(per.loc[per["cls"] == "LS", "replica"]) == {0}
     assert set(per.loc[per["cls"] == "BE", "replica"]) == {1, 2}

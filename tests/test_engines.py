@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import ids, linear_profile, step
 
-from policies import Phase, Request, Scheduler
+from policies import BE, Phase, Request, Scheduler
 from policies.memory import PagedMemory
 from policies.qllm import QLLM
 from policies.sglang import SGLang
@@ -70,16 +70,20 @@ def test_vllm_fcfs_preempts_the_last_admitted():
     assert list(s.waiting["LS"]) == [ls2]
 
 
-def test_vllm_admits_nothing_in_a_step_that_preempted():
+def test_vllm_admits_nothing_in_a_step_that_preempted_and_again_in_the_next():
+    """V1's ``if not preempted_reqs`` is local to one schedule() call: the step that preempts
+    admits nothing, the next one may (until 2026-12-04 the next one admitted nothing too)."""
     s = Scheduler(VLLM(scheduling_policy="priority"), kv_capacity_tokens=24, memory=paged(24))
     s.arrive(req(0, out=12), 0)
     s.arrive(req(1, out=12, t=0.1), 0)
-    while s.recomputes == 0:  # two sequences outgrow 6 blocks of 4: BE 1 is preempted
+    step(s)  # two sequences grow to outgrow 6 blocks of 4: stop one step before
+    while sum(s.memory.grow_tokens(q) for q in s.ready[BE]) <= 24 - s.kv_used_tokens:
         step(s)
-    ls = s.arrive(req(2, "LS", prompt=1, out=1, t=1), 1)  # one block is free: it fits
-    assert s.next_batch(1).phase is Phase.DECODE and ls.scheduled_s is None
+    ls = s.arrive(req(2, "LS", prompt=1, out=1, t=1), 1)  # it fits once BE 1 is preempted
+    batch = s.next_batch(1)  # this step preempts BE 1 (the later arrival) and admits nothing
+    assert s.recomputes == 1 and ids(batch) == [0] and ls.scheduled_s is None
     s.complete_iteration(1)
-    assert ids(s.next_batch(1)) == [0, 2]  # the next step admits it, beside BE 0's decode
+    assert ids(s.next_batch(2)) == [0, 2]  # the next step admits it, beside BE 0's decode
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -342,7 +346,7 @@ def test_qllm_preempts_for_ls_when_evicting_other_be_kv_makes_room(evict):
     running = s.next_batch(0)
     assert ids(running) == [1] and s.kv_used_tokens == 32
     s.arrive(req(2, "LS", prompt=20, out=2, t=1), 1)  # 32 + 20 > 48
-    assert s.should_preempt() is evict
+    assert s.should_preempt(1) is evict
     if evict:
         s.preempt(1)
         assert ids(s.next_batch(1)) == [2]

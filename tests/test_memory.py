@@ -73,9 +73,21 @@ def test_paged_watermark_holds_back_admission_but_not_growth():
 
 def test_a_request_that_can_never_fit_is_refused_on_arrival_naming_it():
     s = Scheduler(Priority(), kv_capacity_tokens=100, memory=paged(100, block=10, watermark=0.1))
-    s.arrive(req(0, prompt=50, out=40), 0)  # 9 blocks + 1 watermark block: fits
+    # its KV is at most prompt + output - 1 tokens long (the last token's is never written):
+    # 9 blocks, and a recompute readmits them past the 1 watermark block
+    s.arrive(req(0, prompt=50, out=41), 0)
     with pytest.raises(CapacityError, match="request 1 needs"):
-        s.arrive(req(1, prompt=50, out=41), 0)
+        s.arrive(req(1, prompt=50, out=42), 0)
+
+
+def test_a_request_whose_kv_fills_the_cache_exactly_runs_to_its_end():
+    """16 + 17 tokens write at most 32 KV tokens: 2 blocks of 16, the whole cache (it was
+    refused as needing 48)."""
+    s = Scheduler(Priority(), kv_capacity_tokens=32, memory=paged(32, block=16))
+    seq = s.arrive(req(0, prompt=16, out=17), 0)
+    while s.in_system:
+        step(s)
+    assert seq.generated == 17 and s.peak_kv_used_tokens == 32 and s.recomputes == 0
 
 
 def test_a_request_that_can_never_fit_is_one_line_through_simulate():

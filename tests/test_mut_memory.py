@@ -22,8 +22,10 @@ def test_paged_capacity_is_whole_blocks_and_the_watermark_rounds_up_to_a_block()
     assert mem.admission_limit_tokens == 80
     no_watermark = PagedMemory(100, block_size_tokens=10, watermark=0.0)
     assert no_watermark.admission_limit_tokens == no_watermark.capacity_tokens == 100
-    # a request alone must be admissible and grow to its end: its blocks plus the watermark
-    assert mem.max_tokens(seq(0, 20, 13)) == 48 + 16
+    # a request alone must be admissible and grow to its end: its blocks plus the watermark,
+    # its KV at most prompt + output - 1 tokens (the last token's is never written)
+    assert mem.max_tokens(seq(0, 20, 13)) == 32 + 16
+    assert mem.max_tokens(seq(0, 20, 14)) == 48 + 16
     assert no_watermark.max_tokens(seq(0, 20, 13)) == 40
 
 

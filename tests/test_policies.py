@@ -111,16 +111,16 @@ def test_algorithm1_preempts_be_only_batches_and_resumes_them_from_the_cursor():
     )
     s.arrive(req(0, "BE", prompt=40, out=3), 0)
     be = s.next_batch(0)
-    assert not s.should_preempt()
+    assert not s.should_preempt(0)
     s.arrive(req(1, "LS", prompt=8, out=2), 1)
-    assert s.should_preempt()
+    assert s.should_preempt(1)
     be.cursor = 17
     be.plan = "saved state"
     used = s.kv_used_tokens
     s.preempt(2)
     assert s.kv_used_tokens == used + 20  # 40 tokens in flight x 0.5 held while suspended
     ls = s.next_batch(2)
-    assert ids(ls) == [1] and not s.should_preempt()  # LS batches are never preempted
+    assert ids(ls) == [1] and not s.should_preempt(2)  # LS batches are never preempted
     s.complete_iteration(3)
     assert ids(step(s)) == [1]  # LS decode comes before the suspended BE batch
     resumed = s.next_batch(4)
@@ -134,7 +134,7 @@ def test_algorithm1_does_not_preempt_when_ls_cannot_fit_in_memory():
     s.arrive(req(0, "BE", prompt=50, out=10), 0)
     s.next_batch(0)
     s.arrive(req(1, "LS", prompt=30, out=5), 1)  # 35 + 25 held activations > 40 free
-    assert not s.should_preempt()
+    assert not s.should_preempt(1)
 
 
 @pytest.mark.parametrize("refill", [True, False])

@@ -342,4 +342,4 @@ def test_policies_without_preemption_never_ask_for_the_processor(policy_cls):
     s.arrive(Request(0, "BE", 0.0, 8, 4), 0)
     s.next_batch(0)
     s.arrive(Request(1, "LS", 0.0, 8, 4), 0)
-    assert not s.preemptible and not s.should_preempt()
+    assert not s.preemptible and not s.should_preempt(0)

@@ -90,7 +90,8 @@ def test_vllm_counts_a_swap_as_a_preemption_and_admits_nothing_in_that_step():
     s.arrive(req(2, "LS", prompt=1, out=1, t=0.2), 0)  # its one block would fit
     assert s.next_batch(0).sequences == [a] and b.swaps == 1  # the decode step preempts b
     s.complete_iteration(0)
-    assert s.next_batch(0).phase is Phase.DECODE  # V1: a step after a preemption admits none
+    # V1: the step that preempted admitted none; the next one may
+    assert [q.id for q in s.next_batch(0).sequences] == [0, 2]
 
 
 def test_the_copy_time_is_charged_at_the_profiles_swap_bandwidth():
