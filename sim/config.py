@@ -269,7 +269,9 @@ def validate(cfg: Any) -> None:
         d = w[name]
         need(1 <= d.min <= d.max, f"workload.{name}.min", d.min, f"must be in [1, {name}.max]")
         need(d.tokens >= 1, f"workload.{name}.tokens", d.tokens, "must be >= 1")
-        if "tokens" in LENGTH_KEYS_READ[_name(d.dist)]:  # a uniform length never reads it
+        # a uniform length never reads tokens, a fixed one neither min nor max (its tokens
+        # over max was refused, and raising max then warned that max is ignored)
+        if {"tokens", "max"} <= set(LENGTH_KEYS_READ[_name(d.dist)]):
             need(d.min <= d.tokens <= d.max, f"workload.{name}.tokens", d.tokens,
                  f"must be in [{name}.min, {name}.max] = [{d.min}, {d.max}]")  # fmt: skip
         need(d.sigma > 0, f"workload.{name}.sigma", d.sigma, "must be > 0")
@@ -289,7 +291,8 @@ def validate(cfg: Any) -> None:
     )
     if "max_batch_size" in pol:  # vllm names its limits max_num_seqs, max_num_batched_tokens
         need(
-            pol.max_batch_size is None or (_integer(pol.max_batch_size) and pol.max_batch_size >= 1),
+            pol.max_batch_size is None
+            or (_integer(pol.max_batch_size) and pol.max_batch_size >= 1),
             "policy.max_batch_size",
             pol.max_batch_size,
             "must be an integer >= 1, or null for no cap",

@@ -262,6 +262,8 @@ def test_eviction_for_an_ls_job_frees_memory_before_the_suspended_batch_holds_an
     s.preempt(0.9)
     assert ids(s.next_batch(0.9)) == [2] and be0.recomputes == 1
     assert s.peak_kv_used_tokens <= 1000
+
+
 def test_alg1_selects_as_algorithm1_and_never_preempts():
     s = Scheduler(Algorithm1(max_batch_size=3), kv_capacity_tokens=10_000)
     assert s.granularity is Granularity.ITERATION and not s.preemptible
