@@ -94,17 +94,27 @@ def job_config(cfg: DictConfig) -> dict:
     return json.loads(json.dumps({k: v for k, v in plain.items() if k not in NOT_RESULTS}))
 
 
-def overload(requests: pd.DataFrame) -> str | None:
-    """A warning when arrivals outpace what the machine completed: arrivals per second over
-    the span of arrivals against completions per second from the first arrival to the last
-    completion. Above OVERLOAD_RATIO the queue grows all run long and the latencies measure
-    the backlog (they grow with num_requests), not a steady state."""
+def load_rates(requests: pd.DataFrame) -> tuple[float, float] | None:
+    """(arrivals per second over the span of arrivals, completions per second from the first
+    arrival to the last completion), or None where a run has too few arrivals to tell."""
     arrivals, finishes = requests["arrival_s"], requests["finish_s"].dropna()
     span_s = arrivals.max() - arrivals.min()
     busy_s = (finishes.max() - arrivals.min()) if len(finishes) else float("inf")
     if len(arrivals) < 2 or span_s <= 0 or busy_s <= 0:
         return None
-    arrival_rate, completion_rate = len(arrivals) / span_s, len(finishes) / busy_s
+    return len(arrivals) / span_s, len(finishes) / busy_s
+
+
+def overload(requests: pd.DataFrame) -> str | None:
+    """A warning when arrivals outpace what the machine completed: arrivals per second over
+    the span of arrivals against completions per second from the first arrival to the last
+    completion. Above OVERLOAD_RATIO the queue grows all run long and the latencies measure
+    the backlog (they grow with num_requests), not a steady state."""
+    rates = load_rates(requests)
+    if rates is None:
+        return None
+    arrival_rate, completion_rate = rates
+    arrivals = requests["arrival_s"]
     if arrival_rate <= OVERLOAD_RATIO * completion_rate:
         return None
     rates = (f"arrivals at {arrival_rate:.3g} req/s exceed the {completion_rate:.3g} req/s the "
@@ -166,11 +176,13 @@ def rerun_reason(before: dict | None, now: dict) -> str:
 
 
 def save_config(cfg: DictConfig, run_dir: Path) -> None:
-    """Hydra's copy of the run's config, with the profile's own name (Hydra wrote the name the
-    command gave, which ``profile.path`` overrides)."""
+    """Hydra's copy of the run's config and overrides, with the profile's own name (Hydra
+    wrote the name the command gave, which ``profile.path`` overrides)."""
     hc = HydraConfig.get()
     if hc.output_subdir is not None:
         OmegaConf.save(cfg, run_dir / hc.output_subdir / "config.yaml")
+        overrides = OmegaConf.create(list(hc.overrides.task))
+        OmegaConf.save(overrides, run_dir / hc.output_subdir / "overrides.yaml")
 
 
 def run_job(cfg: DictConfig, run_dir: Path, config: dict, inputs: dict) -> float | None:
@@ -180,6 +192,9 @@ def run_job(cfg: DictConfig, run_dir: Path, config: dict, inputs: dict) -> float
     except UserError as e:
         discard_unfinished(run_dir)
         fail(PROG, str(e))
+    # again: a sweep that found this job running skipped it, but Hydra had rewritten the
+    # directory's .hydra/ with that sweep's config first
+    save_config(cfg, run_dir)
     # summary.json is the run's record: its results, the config that produced them and the
     # digests of what they were made from, written in one atomic step, so they never disagree
     write_outputs(run_dir, out.requests, {**out.summary, "config": config, "inputs": inputs},

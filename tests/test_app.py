@@ -624,3 +624,55 @@ def test_help_names_the_groups_qllm_sim_reads_and_no_other():
             assert option.stem in groups, (group, option.stem)
     assert "model" not in groups
     assert "workload.rate" in r.stdout
+
+
+def test_the_demo_marks_overloaded_runs_and_leaves_them_out_of_the_mean_ratio(tmp_path, capsys):
+    """make demo's rates 3-7 overload the machine (about 1.3-1.5 jobs/s): their latencies
+    measure the backlog and grow with the run's length (iteration/qllm at rate 5: 43x, 52x and
+    213x at 128, 256 and 1,024 requests), so they are marked, and the mean ratio is over the
+    rates at which iteration keeps up (it was over all of them, with no warning)."""
+    from sim import demo
+
+    assert demo.main(["--rates", "1", "5", "--num-requests", "64", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    df = pd.read_csv(tmp_path / "summary.csv")
+    load = df.set_index(["policy", "rate"])["load"]
+    assert load["iteration", 1] < 1.5 < load["iteration", 5]
+    assert "warning: load = arrivals / completions; above 1.5" in out
+    assert "iteration at 5" in out and "iteration at 1," not in out
+    ratio = demo.ttft_ratio(df)
+    line = next(x for x in out.splitlines() if x.startswith("LS TTFT ratio"))
+    assert f"rate 5*: {ratio[5]:.1f}x" in line and f"rate 1: {ratio[1]:.1f}x" in line
+    assert f"(mean {ratio[1]:.1f}x where iteration keeps up)" in line
+
+
+def test_a_run_rewrites_its_hydra_record_when_a_skipping_sweep_overwrote_it(tmp_path, monkeypatch):
+    """A second sweep that finds a job running skips it, but Hydra has rewritten the job's
+    .hydra/config.yaml and overrides.yaml with that sweep's first: the run saves its own again
+    at its end (they said slo.ls_ttft_s=2.0 where 3.0 ran)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from sim import app
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        ours = compose("config", overrides=["workload.num_requests=20", "seed=1"],
+                       return_hydra_config=True)  # fmt: skip
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # restored after the test
+    HydraConfig.instance().set_config(ours)
+    run_dir = tmp_path / "job"
+    (run_dir / ".hydra").mkdir(parents=True)
+    real = app.simulate
+
+    def simulate_while_another_sweep_skips(cfg):
+        (run_dir / ".hydra" / "config.yaml").write_text("slo:\n  ls_ttft_s: 2.0\n")
+        (run_dir / ".hydra" / "overrides.yaml").write_text("- slo.ls_ttft_s=2.0\n")
+        return real(cfg)
+
+    monkeypatch.setattr(app, "simulate", simulate_while_another_sweep_skips)
+    job = OmegaConf.masked_copy(ours, [k for k in ours if k != "hydra"])
+    app.run_job(job, run_dir, app.job_config(job), {})
+    saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    assert saved.slo.ls_ttft_s == job.slo.ls_ttft_s == 3.0 and saved.seed == 1
+    overrides = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
+    assert overrides == ["workload.num_requests=20", "seed=1"]
