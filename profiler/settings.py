@@ -5,11 +5,14 @@ them before the seconds of importing torch and the minutes of profiling
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from profiler.schema import GRID_KEYS, SettingsError, int_list, setting_int
+
+_WARNED: set[str] = set()  # warnings printed once a process
 
 # CPU clocks: wall time, or this process's CPU time (steady on a shared machine; it equals the
 # wall time of an uncontended run only with one torch thread).
@@ -75,11 +78,27 @@ class Settings:
             routing_prompts=setting_int("routing.prompts", routing["prompts"], 1),
             routing_prompt_tokens=setting_int("routing.prompt_tokens", routing["prompt_tokens"], 1),
             seed=setting_int("seed", cfg["seed"]),
-            passes=setting_int("passes", cfg.get("passes") or 1, 1),
+            passes=setting_int("passes", cfg.get("passes", 1), 1),  # 0 is refused, not 1
         )
         out.chunk_kv = tuple(sorted(set(int_list("grid.chunk_kv", grid.get("chunk_kv") or ()))))
         batched = int_list("grid.prefill_batch_tokens", grid.get("prefill_batch_tokens") or ())
         out.prefill_batch_tokens = tuple(sorted(set(batched)))
+        # each N runs N // P prompts of the longest prefill P: an N other than P below 2 P
+        # runs no batch (P itself is the plain prefill of P), and two Ns of as many prompts
+        # run one shape (profile.json records the list as given)
+        longest, runs = max(out.prefill_tokens or (1,)), {}
+        for n in out.prefill_batch_tokens:
+            if n != longest:
+                runs.setdefault(n // longest, []).append(n)
+        for k, ns in sorted(runs.items()):
+            if k < 2 or len(ns) > 1:
+                what = ("under 2 prompts: no batch profiled" if k < 2 else
+                        f"the same {k} prompts of {longest} tokens: profiled once")  # fmt: skip
+                line = (f"warning: grid.prefill_batch_tokens {', '.join(map(str, ns))} with "
+                        f"grid.prefill_tokens up to {longest}: {what}")  # fmt: skip
+                if line not in _WARNED:  # the check before the run reads them too
+                    _WARNED.add(line)
+                    print(line, file=sys.stderr)
         pairs = grid.get("prefill_pairs", True)
         if not isinstance(pairs, bool):
             raise SettingsError(f"grid.prefill_pairs={pairs}: must be true or false")
@@ -88,8 +107,10 @@ class Settings:
         if not isinstance(shuffle, bool):
             raise SettingsError(f"shuffle={shuffle}: must be true or false")
         out.shuffle = shuffle
-        wake = cfg.get("wake")
-        if wake is not None:
+        wake = cfg.get("wake", {})
+        if wake is None:  # as idle_ms: [] (it measured the default five idle times)
+            out.wake_idle_ms = ()
+        else:
             out.wake_idle_ms = tuple(sorted(set(int_list("wake.idle_ms", wake["idle_ms"]))))
             out.wake_repeats = setting_int("wake.repeats", wake["repeats"], 1)
             out.wake_prompt_tokens = setting_int(

@@ -1111,3 +1111,26 @@ def test_a_grid_setting_that_is_not_a_list_of_integers_is_refused(override, said
     with pytest.raises(measure.SettingsError) as e:
         Settings.from_config(cfg)
     assert str(e.value).startswith(said), e.value
+
+
+def test_settings_refuse_no_passes_read_a_null_wake_as_off_and_warn_of_batches_not_run(capsys):
+    """passes=0 ran one pass and recorded it; wake=null measured the default five idle times
+    (9 repeats each); a prefill_batch_tokens value that makes no batch of its own, or the same
+    batch as another, was dropped without a word while profile.json recorded it."""
+    from omegaconf import OmegaConf
+
+    from profiler.settings import Settings
+
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "profiler.yaml")
+    assert Settings.from_config(cfg).wake_idle_ms  # measured by default
+    assert "warning" not in capsys.readouterr().err  # the default grid runs what it names
+    with pytest.raises(measure.SettingsError, match="^passes=0: must be an integer >= 1"):
+        Settings.from_config(OmegaConf.merge(cfg, {"passes": 0}))
+    assert Settings.from_config(OmegaConf.merge(cfg, {"wake": None})).wake_idle_ms == ()
+    longest = max(cfg.grid.prefill_tokens)
+    grid = {"grid": {"prefill_batch_tokens": [longest // 2, longest, 2 * longest,
+                                              2 * longest + 1, 4 * longest]}}  # fmt: skip
+    assert Settings.from_config(OmegaConf.merge(cfg, grid)).prefill_batches == [2, 4]
+    err = capsys.readouterr().err
+    assert f"grid.prefill_batch_tokens {longest // 2} with" in err and "no batch" in err
+    assert f"{2 * longest}, {2 * longest + 1} with" in err and "profiled once" in err
