@@ -92,11 +92,14 @@ def _run_compiled(cfg, profile, requests, progress: bool) -> tuple[float, float,
     as ``simulate`` does; the events it counts are those its loop took off its heap. The
     first run in a process also loads the compiled code (about a second; some 40 s the first
     time on a machine, to compile it). ``cfg.fast_forward``: its decode runs, on or off."""
-    from sim.compiled import CompiledCluster
+    from sim.compiled import CompiledCluster, unsupported
 
     n = cfg.cluster.replicas
     scheds = [build_scheduler(cfg, profile) for _ in range(n)]
     latencies = [build_latency(cfg, profile, i) for i in range(n)]
+    why = unsupported(scheds, latencies)
+    if why:  # else it is timed on the loop's rules, not its own (or dies in the loop)
+        raise SystemExit(f"sim_speed: error: --core compiled does not run {why}")
     bar = tqdm(total=len(requests), desc="simulating", unit="req", disable=not progress)
     wall, cpu = time.perf_counter(), time.process_time()
     cluster = CompiledCluster(requests, scheds, latencies, cfg.cluster.router,

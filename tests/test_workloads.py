@@ -367,6 +367,40 @@ def test_synthetic_lengths():
     assert {(r.prompt_tokens, r.output_tokens, r.text) for r in fixed} == {(128, 128, None)}
 
 
+def test_another_prompt_distribution_leaves_the_output_lengths_as_they_were():
+    """Prompt and output lengths come from streams of their own (one stream shifted every
+    output length when the prompt's distribution changed: a sweep over it changed both)."""
+    outputs = []
+    for prompt in (LengthConfig(dist=LengthDist.fixed, tokens=128),
+                   LengthConfig(dist=LengthDist.uniform, min=10, max=200),
+                   LengthConfig(dist=LengthDist.lognormal, tokens=64, sigma=0.8)):  # fmt: skip
+        cfg = workload(
+            kind=WorkloadKind.synthetic,
+            num_requests=50,
+            prompt=prompt,
+            output=LengthConfig(dist=LengthDist.lognormal, tokens=100, sigma=1.0),
+        )
+        reqs = build_workload(OmegaConf.structured(cfg), seed=3)
+        outputs.append([r.output_tokens for r in reqs])
+        assert len({r.prompt_tokens for r in reqs}) > (prompt.dist is not LengthDist.fixed)
+    assert outputs[0] == outputs[1] == outputs[2] and len(set(outputs[0])) > 10
+
+
+def test_a_fixed_length_over_the_default_max_needs_no_max():
+    """A fixed length reads neither min nor max: 4,096 was refused as over max 2,048, and
+    raising max then warned that max is ignored."""
+    from hydra import compose, initialize_config_dir
+
+    from sim.app import CONF_DIR
+    from sim.config import validate
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["workload=synthetic", "workload.prompt.tokens=4096"])
+    validate(cfg)
+    reqs = build_workload(cfg.workload, seed=0)
+    assert {r.prompt_tokens for r in reqs} == {4096}
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [

@@ -2,8 +2,9 @@
 
 A workload fixes, for each request, its arrival time, class (LS or BE) and lengths, drawn from a
 data set (ShareGPT, HumanEval), a trace or a synthetic distribution. Three independent random
-streams (arrivals, classes, length sampling) derive from the seed, so changing one choice, say
-the arrival process, leaves the others as they were.
+streams (arrivals, classes, length sampling; a synthetic workload's prompt and output lengths
+each their own, since 2026-12-04) derive from the seed, so changing one choice, say the
+arrival process or the prompt distribution, leaves the others as they were.
 """
 
 from __future__ import annotations
@@ -45,9 +46,8 @@ def stream_workload(cfg: Any, seed: int) -> Workload:
         raise UserError(f"workload.arrival=trace: needs workload.kind=trace, not {kind.value}")
     if arrival is not Arrival.trace and cfg.rate is None:
         raise UserError("workload.rate=None: required unless workload.arrival=trace")
-    arrival_rng, class_rng, sample_rng = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
-    )
+    seeds = np.random.SeedSequence(seed).spawn(3)
+    arrival_rng, class_rng, sample_rng = (np.random.default_rng(s) for s in seeds)
     is_ls = class_rng.random(n) < cfg.ls_fraction
     path = Path(cfg.path).expanduser() if cfg.path else None
 
@@ -59,8 +59,11 @@ def stream_workload(cfg: Any, seed: int) -> Workload:
         timestamps, pool = trace.read_trace(path)
         jobs.fill(np.arange(n), pool, np.arange(n) % len(pool), "trace")  # rows in trace order
     elif kind is WorkloadKind.synthetic:
-        prompt = synthetic.lengths(cfg.prompt, n, sample_rng)
-        output = synthetic.lengths(cfg.output, n, sample_rng)
+        # prompt and output lengths from streams of their own: another prompt distribution
+        # leaves the output lengths as they were (one stream shifted every output length)
+        prompt_rng, output_rng = (np.random.default_rng(s) for s in seeds[2].spawn(2))
+        prompt = synthetic.lengths(cfg.prompt, n, prompt_rng)
+        output = synthetic.lengths(cfg.output, n, output_rng)
         jobs.fill(np.arange(n), Pool(prompt, output), np.arange(n), "synthetic")
     elif kind is WorkloadKind.card:
         # The design card's mix: code completions are latency-sensitive, chat is best-effort.
