@@ -9,7 +9,7 @@ import sys
 
 import hydra
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from profiler.models import ModelError
 from profiler.schema import ProfileError, SettingsError
@@ -30,9 +30,13 @@ def check(cfg: DictConfig) -> None:
         ("device", cfg.device in ("auto", "cpu") or str(cfg.device).startswith("cuda"),
          "must be auto, cpu, cuda or cuda:<index>"),
         ("progress", isinstance(cfg.progress, bool), "must be true or false"),
+        ("routing", isinstance(cfg.get("routing"), DictConfig), "must be a mapping (its keys: "
+         "prompts, prompt_tokens, text_file)"),
+        ("output.dir", isinstance(cfg.get("output"), DictConfig) and bool(cfg.output.get("dir")),
+         "must be a directory to write the profile under"),
     ):  # fmt: skip
         if not ok:
-            raise UserError(f"{key}={cfg[key]}: {allowed}")
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)}: {allowed}")
     try:  # every rule of the profiler's settings (profiler.settings: torch-free)
         Settings.from_config(cfg)
     except SettingsError as e:

@@ -1069,7 +1069,7 @@ def texts_to_prompts(model_cfg: Any, text_file: str | None) -> list[list[int]] |
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         lines = [ln for ln in Path(text_file).read_text().splitlines() if ln.strip()]
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a checkpoint without a tokenizer
         raise SettingsError(f"routing.text_file={text_file}: {str(e).splitlines()[0]}") from None
     if not lines:
         raise SettingsError(f"routing.text_file={text_file} has no text")

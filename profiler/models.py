@@ -90,14 +90,29 @@ class ModelInfo:
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` picks CUDA when present; asking for CUDA without one is a user error."""
+    """``auto`` picks CUDA when present; asking for CUDA without one is a user error. A CUDA
+    device becomes the current one: CUDA events record on the current device's stream, and
+    synchronize waits for it, so ``cuda:1`` timed device 0's idle stream (each stage the host's
+    gap between two records) while its kernels ran on device 1."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelError(f"device={device} asked for, but torch sees no CUDA device")
     if device != "cpu" and not device.startswith("cuda"):
         raise ModelError(f"unknown device {device!r}; expected auto, cpu or cuda")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelError(f"unknown device {device!r}; expected auto, cpu, cuda or cuda:<index>") \
+            from None  # fmt: skip
+    if dev.type == "cuda":
+        count = torch.cuda.device_count()
+        if dev.index is not None and not 0 <= dev.index < count:
+            raise ModelError(f"device={device}: torch sees {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")  # fmt: skip
+        if dev.index is not None:
+            torch.cuda.set_device(dev)
+    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -203,13 +218,17 @@ def _load_local(path: str, device: torch.device, dtype: torch.dtype) -> PreTrain
     _check_memory(path, config, device, dtype)
     # Loaded on the host, then moved: placing weights at load time (device_map) needs the
     # accelerate package, which this project does not depend on.
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        local_files_only=True,
-        dtype=dtype,
-        attn_implementation="sdpa",
-        **_experts_kwargs(dtype),
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            local_files_only=True,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            **_experts_kwargs(dtype),
+        )
+    except (OSError, ValueError) as e:  # no weights, or weights of another shape
+        raise ModelError(f"model.path={path}: no loadable weights ({str(e).splitlines()[0]})") \
+            from None  # fmt: skip
     return model.to(device)
 
 
@@ -223,7 +242,9 @@ def count_params(config: Any) -> int:
 def available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free
+        # and what torch's caching allocator holds unused (freed tensors: a decode batch's
+        # padded KV, finished sequences' caches), which the driver counts as taken
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     try:  # MemAvailable counts reclaimable page cache, unlike the free page count
         with open("/proc/meminfo") as f:
             for line in f:

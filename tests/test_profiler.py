@@ -39,7 +39,7 @@ SMALL = [
     "grid.decode_kv=[8]",
     "grid.expert_tokens=[1,4,16]",
     "grid.chunk_kv=[8]",
-    "grid.prefill_batch_tokens=[8,32,40]",  # 16-token prompts: 2 of them (and 1: skipped)
+    "grid.prefill_batch_tokens=[16,32]",  # 16-token prompts: 2 of them (16: the plain prefill)
     "warmup=0",
     "decode_warmup=0",
     "repeats=1",
@@ -146,7 +146,17 @@ def test_user_errors_are_one_line(capsys, monkeypatch, tmp_path):
     assert "dtype" in user_error(capsys, monkeypatch, "dtype=float8", out)
     if not torch.cuda.is_available():
         assert "CUDA" in user_error(capsys, monkeypatch, "device=cuda", out)
+    # tracebacks until 2026-12-04
+    assert "routing=None: must be a mapping" in user_error(capsys, monkeypatch, "routing=null", out)
+    assert "output.dir=None: must be" in user_error(capsys, monkeypatch, "output.dir=null")
     assert not any(tmp_path.iterdir())
+
+
+def test_a_checkpoint_without_weights_is_one_line(tmp_path):
+    model, _ = build_model({"name": "tiny-qwen3-moe", "config": {"num_hidden_layers": 2}})
+    model.config.save_pretrained(tmp_path / "ckpt")  # a config and no weights: a traceback
+    with pytest.raises(ModelError, match=r"^model.path=.*ckpt: no loadable weights \("):
+        build_model({"name": "tiny-mixtral", "path": str(tmp_path / "ckpt")})
 
 
 def test_full_mixtral_is_refused_without_the_memory(monkeypatch):
@@ -1134,3 +1144,25 @@ def test_settings_refuse_no_passes_read_a_null_wake_as_off_and_warn_of_batches_n
     err = capsys.readouterr().err
     assert f"grid.prefill_batch_tokens {longest // 2} with" in err and "no batch" in err
     assert f"{2 * longest}, {2 * longest + 1} with" in err and "profiled once" in err
+
+
+def test_a_cuda_device_is_checked_and_made_current_and_its_cached_memory_counts_free(monkeypatch):
+    """Faked CUDA (no GPU here; not run on one): cuda:N becomes the current device (CUDA events
+    record on the current device's stream: cuda:1 timed device 0's idle stream); an index torch
+    does not see, or a malformed name, is one ModelError; the memory torch's caching allocator
+    holds unused counts as free for the KV (mem_get_info counts it taken)."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert models.resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert current == [torch.device("cuda", 1)]
+    assert models.resolve_device("cuda") == torch.device("cuda") and len(current) == 1
+    with pytest.raises(ModelError, match=r"^device=cuda:5: torch sees 2 CUDA device\(s\)"):
+        models.resolve_device("cuda:5")
+    with pytest.raises(ModelError, match="^unknown device 'cudax'"):
+        models.resolve_device("cudax")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 << 30, 140 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 12 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 9 << 30)
+    assert models.available_bytes(torch.device("cuda", 0)) == 43 << 30
