@@ -31,7 +31,7 @@ from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override, OverrideType
+from hydra.core.override_parser.types import Glob, IntervalSweep, Override, OverrideType
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -179,12 +179,20 @@ def prepare(app: App, argv: list[str]) -> Plan:
     overrides = []
     for line in args.overrides:
         try:
-            overrides += OverridesParser.create().parse_overrides([line])
+            parsed = OverridesParser.create().parse_overrides([line])
         except HydraException as e:
             raise UserError(
                 f"{line}: not an override ({str(e).splitlines()[0]}); see "
                 "https://hydra.cc/docs/advanced/override_grammar/basic"
             ) from None
+        expanded = expand_sweep(app, parsed[0])
+        if expanded != line:  # glob(): its options listed, for the checks and for Hydra
+            argv[argv.index(line)] = expanded
+            parsed = OverridesParser.create().parse_overrides([expanded])
+        overrides += parsed
+        if parsed[0].key_or_group == "hydra.mode" and not args.multirun:
+            raise UserError(f"{line}: give -m (--multirun) for a sweep instead; qllm-sim plans "
+                            "its runs from -m")  # fmt: skip
     check_group_choices(app, overrides)
     combos = [[o.input_line for o in overrides]]
     if args.multirun:
@@ -214,6 +222,27 @@ def prepare(app: App, argv: list[str]) -> Plan:
         argv = [*argv, f"hydra.run.dir={run_dir}"]  # ${now:...} fixed here, before it is claimed
     claim_run_dir(Path(run_dir))
     return Plan(argv, directory=run_dir)
+
+
+def expand_sweep(app: App, o: Override) -> str:
+    """The override's line, a config group's ``glob()`` as the list of the options it
+    matches; ``interval()`` refused (checking the jobs needs their values: Hydra's own check
+    of them crashed with a traceback)."""
+    value = o.value() if o.is_sweep_override() else None
+    if isinstance(value, IntervalSweep):
+        raise UserError(f"{o.input_line}: interval() needs a sweeper that samples (Optuna, "
+                        "Nevergrad); the basic sweeper runs lists, range() and glob()")  # fmt: skip
+    if not isinstance(value, Glob):
+        return o.input_line
+    if o.key_or_group not in app.groups:
+        raise UserError(f"{o.input_line}: glob() picks options of a config group "
+                        f"({', '.join(app.groups)}); {o.key_or_group} is none")  # fmt: skip
+    options = sorted(p.stem for p in (CONF_DIR / o.key_or_group).glob("*.yaml"))
+    matched = value.filter(options)
+    if not matched:
+        raise UserError(f"{o.input_line}: matches no {o.key_or_group}; choose among "
+                        f"{', '.join(options)}")  # fmt: skip
+    return _line(o, ",".join(matched))
 
 
 def check_group_choices(app: App, overrides: list[Override]) -> None:
@@ -352,6 +381,8 @@ def check_added_keys(app: App, overrides: list[Override]) -> None:
         groups = [g.input_line for g in overrides
                   if g.key_or_group in app.groups and not g.is_sweep_override()]  # fmt: skip
         allowed = keys_of(app, parent, groups)
+        if o.type == OverrideType.FORCE_ADD and key.rpartition(".")[2] in allowed:
+            continue  # ++key=value sets a key the config has (adds it only where it has not)
         raise UserError(f"{o.get_key_element()}={value}: unknown key; "
                         f"{parent or 'the config'} has {', '.join(allowed)}")  # fmt: skip
 

@@ -28,3 +28,15 @@ def results_dir(default: Path | None) -> Path | None:
             return candidate.resolve()
     tried = " or ".join(str(c) for c in candidates)
     raise FileNotFoundError(f"QLLM_RESULTS={value}: no such directory ({tried})")
+
+
+def newest_sweep(root: Path = ROOT) -> Path:
+    """The sweep under ``root``/results/sweeps/ (at any depth) whose multirun.yaml was written
+    last. (By path, a folder named by hand sorted after every dated one, however old, and a
+    sweep at another depth than <date>/<time> was never found.)"""
+    sweeps = list((root / "results" / "sweeps").rglob("multirun.yaml"))
+    if not sweeps:
+        raise FileNotFoundError(
+            "no sweep under results/sweeps/: run qllm-sim -m ... or set QLLM_RESULTS"
+        )
+    return max(sweeps, key=lambda p: p.stat().st_mtime).parent

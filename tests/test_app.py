@@ -503,16 +503,17 @@ def test_a_key_set_where_nothing_reads_it_is_named(overrides, said):
 
 def test_a_uniform_length_needs_no_tokens_within_its_bounds():
     """A uniform length never reads ``tokens``: its default (128) outside [min, max] must not
-    refuse the run; fixed and lognormal lengths, which read it, still check it."""
+    refuse the run; a lognormal length, which reads both, still checks it. A fixed one reads
+    neither min nor max (it was refused, and raising max then warned that max is ignored)."""
     from sim.config import validate
 
     bounds = ["workload=synthetic", "workload.prompt.min=512", "workload.prompt.max=1024"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        validate(compose("config", overrides=[*bounds, "workload.prompt.dist=uniform"]))
-        for dist in ("fixed", "lognormal"):
-            cfg = compose("config", overrides=[*bounds, f"workload.prompt.dist={dist}"])
-            with pytest.raises(UserError, match=r"workload.prompt.tokens=128: must be in"):
-                validate(cfg)
+        for dist in ("uniform", "fixed"):
+            validate(compose("config", overrides=[*bounds, f"workload.prompt.dist={dist}"]))
+        cfg = compose("config", overrides=[*bounds, "workload.prompt.dist=lognormal"])
+        with pytest.raises(UserError, match=r"workload.prompt.tokens=128: must be in"):
+            validate(cfg)
 
 
 @pytest.mark.parametrize("workload", ["paper", "sharegpt", "humaneval", "card", "synthetic",
@@ -676,3 +677,20 @@ def test_a_run_rewrites_its_hydra_record_when_a_skipping_sweep_overwrote_it(tmp_
     assert saved.slo.ls_ttft_s == job.slo.ls_ttft_s == 3.0 and saved.seed == 1
     overrides = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
     assert overrides == ["workload.num_requests=20", "seed=1"]
+
+
+def test_a_glob_sweep_runs_the_options_it_matches_and_force_add_sets_a_key(tmp_path):
+    """policy=glob(i*) crashed the pre-check with a traceback; ++seed=3 was refused as an
+    unknown key."""
+    sweep = tmp_path / "sweep"
+    r = qllm_sim("-m", "policy=glob(i*)", "workload.num_requests=16", "progress=false",
+                 f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    runs = [p for p in sweep.iterdir() if (p / "summary.json").is_file()]
+    names = [json.loads((p / "summary.json").read_text())["config"]["policy"]["name"]
+             for p in runs]  # fmt: skip
+    assert names == ["iteration"]  # i*: iteration alone
+    r = qllm_sim("++seed=3", "workload.num_requests=16", f"hydra.run.dir={tmp_path / 'run'}",
+                 cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["config"]["seed"] == 3

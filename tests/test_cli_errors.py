@@ -46,8 +46,16 @@ CASES = (
     + [("qllm-sim", ["profile.path=/nonexistent"], "profile.path=/nonexistent: not a directory")]
     + [("qllm-sim", ["seed=-1"], "seed=-1: must be >= 0")]
     + [("qllm-sim", ["workload.rate=inf"], "workload.rate=inf: must be a finite number > 0")]
-    + [("qllm-sim", ["workload=synthetic", "workload.prompt.tokens=5000"],
+    + [("qllm-sim", ["workload=synthetic", "workload.prompt.dist=lognormal",
+                     "workload.prompt.tokens=5000"],
         "workload.prompt.tokens=5000: must be in [prompt.min, prompt.max] = [1, 2048]")]
+    # sweeps the basic sweeper cannot check or run (tracebacks until 2026-12-04), and ++
+    + [("qllm-sim", ["-m", "workload.rate=interval(1,2)"],
+        "workload.rate=interval(1,2): interval() needs a sweeper that samples"),
+       ("qllm-sim", ["-m", "seed=glob(*)"], "seed=glob(*): glob() picks options of a config"),
+       ("qllm-sim", ["-m", "policy=glob(zz*)"], "policy=glob(zz*): matches no policy"),
+       ("qllm-sim", ["hydra.mode=MULTIRUN"], "hydra.mode=MULTIRUN: give -m (--multirun)"),
+       ("qllm-sim", ["++seedx=3"], "++seedx=3: unknown key")]
     + [("qllm-realrun", *c) for c in COMMON + WORKLOAD + POLICY]
     + [("qllm-realrun", ["device=tpu"], "device=tpu: must be auto, cpu, cuda")]
     # qllm-validate sets each point's rate itself: a valid workload.rate is refused too

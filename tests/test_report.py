@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -713,3 +714,22 @@ def test_runs_without_requests_are_named_and_leave_no_stale_cdf(sweep, tmp_path,
     assert not (out / FIGURES["cdf"]).exists()
     assert FIGURES["cdf"] not in said.splitlines()[-1]
     assert f"note: no run has a requests.parquet: no {FIGURES['cdf']} is drawn" in err
+
+
+def test_the_newest_sweep_is_the_last_written_at_any_depth(tmp_path):
+    """slo_curves' default sweep: by path, a folder named by hand ("mine") sorted after every
+    dated one however old, and a sweep at another depth was never found."""
+    from sim.notebook import newest_sweep
+
+    sweeps = tmp_path / "results" / "sweeps"
+    dated, named, deep = (sweeps / "2026-12-04" / "23-00-00", sweeps / "mine" / "rates",
+                          sweeps / "a" / "b" / "c")  # fmt: skip
+    for age, where in ((100, named), (50, deep), (10, dated)):
+        where.mkdir(parents=True)
+        (where / "multirun.yaml").write_text("")
+        os.utime(where / "multirun.yaml", (time.time() - age, time.time() - age))
+    assert newest_sweep(tmp_path) == dated
+    os.utime(deep / "multirun.yaml")  # now
+    assert newest_sweep(tmp_path) == deep
+    with pytest.raises(FileNotFoundError, match="no sweep under results/sweeps/"):
+        newest_sweep(tmp_path / "empty")
