@@ -986,7 +986,14 @@ def build_profile(
         description=f"{info.name} ({info.num_params / 1e6:.1f}M parameters, {info.source}) "
         f"on {device}, stages timed inside real iterations of the stepped runner",
         calibration=f"profiler.measure: median of {settings.repeats} iterations per shape "
-        f"in {prof.passes_done} passes, each after {settings.warmup} warm-up, {timing}"
+        f"in {prof.passes_done} passes, each after {settings.warmup} warm-up iterations "
+        f"({settings.decode_warmup} untimed steps before a decode shape's"
+        + (
+            f"; a prefill of n tokens timed in pairs, at n -/+ n // {PREFILL_JITTER}"
+            if settings.repeats >= 2
+            else ""
+        )
+        + f"), {timing}"
         + (
             ", each shape's samples divided by the host-speed probe around them (in units of "
             "the profile's mean probe)"

@@ -110,6 +110,9 @@ def test_console_script_writes_a_loadable_profile(tmp_path):
     assert "profile cli:" in done.stdout
     profile = Profile.load(tmp_path / "cli")
     assert profile.source == "measured" and profile.model.name == "tiny-mixtral"
+    # what ran, as it ran (it said "each after 2 warm-up" of decode shapes run after 3)
+    assert "each after 2 warm-up iterations (3 untimed steps before a decode shape's; a " \
+        "prefill of n tokens timed in pairs" in profile.calibration  # fmt: skip
     # the measured profile drives the simulator
     run_dir = tmp_path / "sim"
     sim = subprocess.run(
