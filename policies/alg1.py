@@ -102,8 +102,9 @@ class Algorithm1(Policy):
                 room = min(size, slots) - len(ls)
                 # the rest filled with BE prompts, unless an LS prompt is left waiting for KV
                 # memory (a smaller BE prompt would take the room it waits for)
-                left = (ls_waiting[0] if ls_waiting else None) if ls_waiting is s.waiting[LS] \
-                    else (ls_waiting[len(ls)] if len(ls_waiting) > len(ls) else None)  # fmt: skip
+                # (take_prefill took a prefix: out of the queue itself, or of the guard's copy)
+                rest = ls_waiting if ls_waiting is s.waiting[LS] else ls_waiting[len(ls) :]
+                left = next(iter(rest), None)
                 blocked = left is not None and not s.fits(s.memory.admit_tokens(left))
                 if self.fill_be_prefill and room > 0 and not blocked:
                     used = sum(q.new_tokens for q in ls)
