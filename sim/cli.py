@@ -224,6 +224,11 @@ def prepare(app: App, argv: list[str]) -> Plan:
     return Plan(argv, directory=run_dir)
 
 
+def group_options(group: str) -> list[str]:
+    """A config group's options: its YAML files' names."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
 def expand_sweep(app: App, o: Override) -> str:
     """The override's line, a config group's ``glob()`` as the list of the options it
     matches; ``interval()`` refused (checking the jobs needs their values: Hydra's own check
@@ -237,7 +242,7 @@ def expand_sweep(app: App, o: Override) -> str:
     if o.key_or_group not in app.groups:
         raise UserError(f"{o.input_line}: glob() picks options of a config group "
                         f"({', '.join(app.groups)}); {o.key_or_group} is none")  # fmt: skip
-    options = sorted(p.stem for p in (CONF_DIR / o.key_or_group).glob("*.yaml"))
+    options = group_options(o.key_or_group)
     matched = value.filter(options)
     if not matched:
         raise UserError(f"{o.input_line}: matches no {o.key_or_group}; choose among "
@@ -250,7 +255,7 @@ def check_group_choices(app: App, overrides: list[Override]) -> None:
     for o in overrides:
         if o.key_or_group not in app.groups or o.is_delete():
             continue
-        options = sorted(p.stem for p in (CONF_DIR / o.key_or_group).glob("*.yaml"))
+        options = group_options(o.key_or_group)
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
         for choice in values:
             if choice not in options:

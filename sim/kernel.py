@@ -1112,8 +1112,8 @@ def _repeats(ci, ri, REQ, SI, r):
         return True
     # (step 5 does not come into it: a batch without LS work is selected only when none is
     # suspended, and none is while it runs: a suspension ends it)
-    if (ci[C_REFILL] and min(size - n, slots) > 0 and ri[r, R_W_LS] == 0
-            and ri[r, R_W_N] - ri[r, R_W_LS] > 0):  # fmt: skip
+    # (no LS prompt waits: step 6 is closed while one does)
+    if ci[C_REFILL] and min(size - n, slots) > 0 and ri[r, R_W_LS] == 0 and ri[r, R_W_N] > 0:
         head = ri[r, R_WH_BE]
         if REQ[head, Q_PROMPT] + REQ[head, Q_OUT] <= free:
             return False
