@@ -4,7 +4,8 @@ The oldest waiting requests form a batch (up to ``max_batch_size`` and the prefi
 budget); the batch is prefilled, then decodes until every sequence in it has finished. Nothing
 joins a running batch. Memory: a request whose KV reservation does not fit waits for the next
 batch; the batch forms from the requests before it (no overtaking). Under paged memory a
-member preempted by recompute leaves the batch and joins the next one.
+member preempted by recompute (the latest arrival, whatever its class) leaves the batch and
+joins the next one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from __future__ import annotations
 import math
 
 from policies.core import Batch, Granularity, Sequence
-from policies.scheduler import Policy, Scheduler, decode_batch, prefill_batch
+from policies.scheduler import (
+    Policy,
+    Scheduler,
+    decode_batch,
+    latest_arrival_victim,
+    prefill_batch,
+)
 
 
 class FCFS(Policy):
@@ -42,3 +49,6 @@ class FCFS(Policy):
 
     def decode_run_on_arrival(self, s: Scheduler, batch: Batch, seq: Sequence) -> float:
         return math.inf  # nothing joins a running static batch
+
+    def victim(self, s: Scheduler, batch: Batch) -> Sequence:
+        return latest_arrival_victim(s, batch)  # class-blind, as its batches

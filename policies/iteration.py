@@ -24,14 +24,15 @@ support prefill chunking; that reading is not modelled. Scheduling is class-blin
 arrival).
 
 Memory: each joining request reserves prompt + output tokens; requests that do not fit wait,
-in order, until running ones finish.
+in order, until running ones finish. Under ``memory.model=paged`` (not TGI's) a sequence that
+cannot grow preempts the latest arrival by recompute, whatever its class.
 """
 
 from __future__ import annotations
 
 import math
 
-from policies.core import Batch, Granularity, Phase
+from policies.core import Batch, Granularity, Phase, Sequence
 from policies.scheduler import (
     ARRIVAL_ORDER,
     CapacityError,
@@ -39,6 +40,7 @@ from policies.scheduler import (
     Scheduler,
     cap,
     decode_batch,
+    latest_arrival_victim,
     prefill_batch,
 )
 
@@ -134,3 +136,6 @@ class IterationFCFS(Policy):
 
     def on_decodes(self, s: Scheduler, batch: Batch, ends_s) -> None:
         self.waiting_tokens += len(ends_s)
+
+    def victim(self, s: Scheduler, batch: Batch) -> Sequence:
+        return latest_arrival_victim(s, batch)  # class-blind, as its admission

@@ -160,6 +160,16 @@ def priority_victim_key(q: Sequence) -> tuple:
     return (not q.is_ls, q.request.arrival_s, q.id)
 
 
+def latest_arrival_victim(s: Scheduler, batch: Batch) -> Sequence:
+    """A class-blind policy's growth victim (``Policy.victim``): the latest arrival among the
+    evictable sequences, whatever its class (the last in FIFO order, as vLLM V1's ``fcfs``
+    preempts the last request it admitted). Until 2026-12-05 ``fcfs`` and ``iteration`` took
+    the default, class-aware rule under ``memory.model=paged``: a BE sequence was preempted
+    before an LS one that arrived later, which favoured LS in policies documented (and
+    compared) as class-blind."""
+    return max(s.evictable(batch), key=ARRIVAL_ORDER)
+
+
 class Scheduler:
     def __init__(
         self,

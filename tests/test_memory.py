@@ -132,6 +132,29 @@ def test_a_sequence_that_cannot_grow_is_preempted_by_recompute_and_resumes():
     assert s.recomputes == 1 and b.preemptions == 0  # suspensions are counted apart
 
 
+@pytest.mark.parametrize(
+    ("policy", "evicted"),
+    [(IterationFCFS, 1), (FCFS, 1), (Priority, 0),
+     (lambda max_batch_size: VLLM(max_batch_size, scheduling_policy="priority"), 0),
+     (lambda max_batch_size: VLLM(max_batch_size), 1)],  # fmt: skip
+    ids=["iteration", "fcfs", "priority", "vllm-priority", "vllm-fcfs"],
+)
+def test_a_class_blind_policy_preempts_the_latest_arrival_whatever_its_class(policy, evicted):
+    """A BE request (arrived first) and an LS one share 3 blocks; when they cannot both grow,
+    the class-blind policies (fcfs, iteration, vllm's fcfs) preempt the latest arrival, the LS
+    one, as their FIFO order says; the priority-aware ones preempt the BE one. Under the class-aware
+    rule that fcfs and iteration took until 2026-12-05 the BE one went in every case."""
+    s = Scheduler(policy(max_batch_size=4), kv_capacity_tokens=12, memory=paged(12, block=4))
+    seqs = [s.arrive(req(0, "BE", prompt=4, out=6), 0),
+            s.arrive(req(1, "LS", prompt=4, out=6, t=0.1), 0.1)]  # fmt: skip
+    while not any(q.recomputes for q in seqs):
+        step(s)
+    assert [q.recomputes for q in seqs] == [int(i == evicted) for i in range(2)]
+    while s.in_system:
+        step(s)
+    assert all(q.generated == 6 for q in seqs) and s.kv_used_tokens == 0
+
+
 def test_recompute_prefill_is_costed_as_prompt_plus_generated_tokens():
     latency = LatencyModel(linear_profile(num_layers=2, num_experts=4), RoutingModel(2, 4, 2))
     s = Scheduler(Priority(max_batch_size=4), kv_capacity_tokens=12, memory=paged(12, block=4))
