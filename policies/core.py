@@ -75,6 +75,7 @@ class Sequence:
     evicted: bool = False  # its KV left the device: the next iteration re-prefills what is not
     # in KV (prompt + generated after a recompute, the last generated token after a swap)
     admission: int = -1  # order of its latest admission from a waiting queue (vLLM's running)
+    eviction: int = -1  # order of its latest eviction (vLLM V1 fcfs re-queues the latest first)
     prefilled_tokens: int = 0  # of its prefill (prompt + generated), in KV so far when chunked
     chunk_tokens: int = 0  # the next iteration's prefill chunk (0: all that remains)
     last_token_s: float | None = None

@@ -196,6 +196,7 @@ class Scheduler:
         self.swaps = 0
         self.merges = 0
         self._admissions = itertools.count()
+        self._evictions = itertools.count()
         self._in_system = 0  # arrived, not finished: routers ask at every arrival
         self._evicted = False  # whether the last next_batch preempted for memory
         self.step_kv_preemptions = 0  # kv_preemptions when the step being chosen began
@@ -505,6 +506,7 @@ class Scheduler:
             self.recomputes += 1
         seq.chunk_tokens = 0
         seq.evicted = True
+        seq.eviction = next(self._evictions)
         if self.policy.requeue_front:
             self.waiting[seq.cls].appendleft(seq)
         else:

@@ -17,8 +17,9 @@ v0.9-v0.11 releases):
   recompute (``Scheduler.evict``): under ``priority`` the running request with the lowest
   priority and the latest arrival, under ``fcfs`` the last one admitted (``running.pop()``).
   A step that preempted admits no waiting request. Preempted requests go back to the front of
-  the waiting queue (under ``priority``: of their class's queue, where vLLM re-inserts them in
-  its heap by arrival; the two agree when they arrived before the requests waiting there).
+  the waiting queue, the latest preempted first (under ``priority``: of their class's queue,
+  where vLLM re-inserts them in its heap by arrival; the two agree when they arrived before the
+  requests waiting there).
   V1 only recomputes; ``memory.preemption=swap`` gives V0's swap preemption instead (a
   swapped-out request is swapped back in when it is admitted again, before new prompts).
 
@@ -196,4 +197,8 @@ def _admission(q: Sequence) -> int:
 
 
 def _fcfs_key(q: Sequence) -> tuple:
-    return (not q.evicted, q.request.arrival_s, q.id)
+    """fcfs's queue order: preempted requests first, the latest preempted first (V1's
+    ``prepend_request`` puts each at the queue's front: a stack; until 2026-12-05 they were
+    ordered by arrival, which differed where a request re-admitted last, early by arrival,
+    was preempted before one admitted ahead of it), then the others by arrival."""
+    return (not q.evicted, -q.eviction, q.request.arrival_s, q.id)

@@ -132,7 +132,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from policies.core import Stage
-from profiler.models import ModelInfo, available_bytes, build_model
+from profiler.models import ModelInfo, available_bytes, build_model, resolve_device
 from profiler.ops import KVSequence, ModelRunner, StageRef
 from profiler.probe import SpeedProbe
 from profiler.schema import (  # noqa: F401 (SettingsError: measure.SettingsError, as before)
@@ -1036,6 +1036,13 @@ def run(cfg: Any, progress: bool = True) -> tuple[Profile, Path]:
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise SettingsError(f"threads={threads}: an integer >= 1, or null (torch's default)")
         torch.set_num_threads(threads)
+    if settings.clock == "process" and torch.get_num_threads() > 1:
+        if resolve_device(str(cfg["device"])).type == "cpu":  # CUDA times with events
+            raise SettingsError(
+                f"clock=process with {torch.get_num_threads()} torch threads (threads="
+                f"{threads}): process time sums every thread's CPU time, not an iteration's "
+                "latency; set threads=1, or clock=wall"
+            )
     model_cfg = cfg["model"]
     if isinstance(model_cfg, DictConfig):  # config overrides reach transformers as plain values
         model_cfg = OmegaConf.to_container(model_cfg, resolve=True)

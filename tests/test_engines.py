@@ -70,6 +70,23 @@ def test_vllm_fcfs_preempts_the_last_admitted():
     assert list(s.waiting["LS"]) == [ls2]
 
 
+def test_vllm_fcfs_requeues_the_latest_preempted_first_across_classes():
+    """V1's fcfs ``prepend_request`` puts each preempted request at the queue's front: the
+    latest preempted comes first, whatever its arrival or class (until 2026-12-05 preempted
+    requests were ordered by arrival: LS 0 before BE 2 here)."""
+    s = Scheduler(VLLM(), kv_capacity_tokens=10_000)
+    ls0, be1, be2 = (s.arrive(req(0, "LS"), 0), s.arrive(req(1, t=0.1), 0.1),
+                     s.arrive(req(2, t=0.2), 0.2))  # fmt: skip
+    assert ids(step(s)) == [0, 1, 2]
+    for q in (ls0, be2):  # preempted in this order (by hand, as Scheduler._grow does)
+        s.ready[q.cls].remove(q)
+        s.evict(q)
+    be3 = s.arrive(req(3, t=0.3), 0.3)
+    assert [q.id for q in s.policy._waiting(s)] == [2, 0, 3]
+    batch = s.next_batch(0.3)  # be1's decode, then the waiting requests in that order
+    assert ids(batch) == [1, 2, 0, 3] and be3.scheduled_s is not None
+
+
 def test_vllm_admits_nothing_in_a_step_that_preempted_and_again_in_the_next():
     """V1's ``if not preempted_reqs`` is local to one schedule() call: the step that preempts
     admits nothing, the next one may (until 2026-12-04 the next one admitted nothing too)."""

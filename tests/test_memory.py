@@ -134,9 +134,13 @@ def test_a_sequence_that_cannot_grow_is_preempted_by_recompute_and_resumes():
 
 @pytest.mark.parametrize(
     ("policy", "evicted"),
-    [(IterationFCFS, 1), (FCFS, 1), (Priority, 0),
-     (lambda max_batch_size: VLLM(max_batch_size, scheduling_policy="priority"), 0),
-     (lambda max_batch_size: VLLM(max_batch_size), 1)],  # fmt: skip
+    [
+        (IterationFCFS, 1),
+        (FCFS, 1),
+        (Priority, 0),
+        (lambda max_batch_size: VLLM(max_batch_size, scheduling_policy="priority"), 0),
+        (lambda max_batch_size: VLLM(max_batch_size), 1),
+    ],  # fmt: skip
     ids=["iteration", "fcfs", "priority", "vllm-priority", "vllm-fcfs"],
 )
 def test_a_class_blind_policy_preempts_the_latest_arrival_whatever_its_class(policy, evicted):

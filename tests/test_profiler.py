@@ -298,6 +298,11 @@ def test_bad_thread_counts_are_one_line_errors(capsys, monkeypatch, tmp_path):
     for bad in ("0", "abc", "-2"):
         err = user_error(capsys, monkeypatch, f"threads={bad}", f"output.dir={tmp_path}")
         assert f"threads={bad}:" in err and "integer >= 1" in err
+    # the process clock sums every thread's CPU time: with two, a stage's figure was CPU
+    # seconds, not its latency, without a word (until 2026-12-05)
+    err = user_error(capsys, monkeypatch, "threads=2", "clock=process", f"output.dir={tmp_path}")
+    assert "clock=process with 2 torch threads" in err and "threads=1" in err
+    assert not any(tmp_path.iterdir())
 
 
 class FakeEvent:
