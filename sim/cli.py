@@ -23,6 +23,7 @@ import shlex
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +68,26 @@ class Plan:
 
 
 def fail(prog: str, message: str) -> None:
+    FAILED.append(message)
     print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+FAILED: list[str] = []  # the messages ``fail`` gave in this process (``job``: a Ray worker's)
+# Where a Ray worker leaves a job's one-line error (``job``) for the sweep's driver (``run``):
+# this folder of the sweep's directory, a file per job
+JOB_ERRORS = ".job_errors"
+
+
+def in_ray_worker() -> bool:
+    """Whether this process is a Ray worker (a job of ``hydra/launcher=ray`` or ``ray_cluster``)."""
+    if "ray" not in sys.modules:
+        return False
+    try:
+        from ray._private.worker import WORKER_MODE, global_worker
+    except ImportError:
+        return False
+    return getattr(global_worker, "mode", None) == WORKER_MODE
 
 
 # Where an interrupt is deferred: code that reads configs (Hydra's, OmegaConf's, PyYAML's)
@@ -129,16 +148,46 @@ def job(task: Callable[[DictConfig], object]) -> Callable[[DictConfig], object]:
         if INTERRUPTS.pending:
             raise KeyboardInterrupt
         INTERRUPTS.in_job = True
+        ray = in_ray_worker()
         try:
             return task(cfg)
         except Exception as e:
             if interrupted_by(e):
                 raise KeyboardInterrupt from None
             raise
+        except SystemExit as e:
+            if not ray or e.code in (0, None):
+                raise
+            # Ray retried a task whose worker exited (3 times), then the sweep ended in a page
+            # of WorkerCrashedError traceback (until 2026-12-05): the job returns instead,
+            # its error left where the sweep's driver reads it (``run``)
+            from hydra.core.hydra_config import HydraConfig
+
+            hc = HydraConfig.get()
+            errors = Path(hc.sweep.dir) / JOB_ERRORS
+            errors.mkdir(parents=True, exist_ok=True)
+            from sim.cli import FAILED as failed  # the module's (Ray pickles this closure)
+
+            message = failed[-1] if failed else f"exit code {e.code}"
+            overrides = " ".join(hc.overrides.task) or "no overrides"
+            (errors / f"{hc.job.num}.txt").write_text(f"{message}\n{overrides}\n")
+            return None
         finally:
             INTERRUPTS.in_job = False
 
     return wrapper
+
+
+def job_errors(directory: str | None, since: float) -> list[tuple[str, str]]:
+    """The (message, job's overrides) that the jobs of a sweep in ``directory`` left (``job``)
+    since ``since`` (time.time()), the job numbers' order; the folder removed."""
+    errors = Path(directory or "") / JOB_ERRORS
+    if directory is None or not errors.is_dir():
+        return []
+    files = sorted(errors.glob("*.txt"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1)
+    found = [tuple(p.read_text().splitlines()[:2]) for p in files if p.stat().st_mtime >= since]
+    shutil.rmtree(errors, ignore_errors=True)
+    return [(f[0], f[1] if len(f) > 1 else "?") for f in found if f]
 
 
 def run(app: App, main: Callable[[], object], argv: Sequence[str] | None = None) -> None:
@@ -158,9 +207,14 @@ def run(app: App, main: Callable[[], object], argv: Sequence[str] | None = None)
         if INTERRUPTS.pending:  # while the command line was checked: nothing ran
             raise KeyboardInterrupt
         sys.argv = [sys.argv[0], *plan.argv]
+        start = time.time() - 1  # a coarse file system's mtime
         main()
         if INTERRUPTS.pending:  # it came after the last job started
             raise KeyboardInterrupt
+        if plan.multirun and (failed := job_errors(plan.directory, start)):
+            message, where = failed[0]  # where: the job's overrides
+            more = f"; {len(failed) - 1} more of its jobs failed" if failed[1:] else ""
+            fail(app.prog, f"{message} (the job {where}{more})")
     except KeyboardInterrupt:
         what = ("nothing ran (the command line was being checked)" if plan is None
                 else interrupted(app, plan))  # fmt: skip
