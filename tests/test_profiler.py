@@ -952,6 +952,43 @@ def test_self_check_is_the_models_mean_iteration_against_the_profiles_own():
     assert "prefill median" in line and "(8 tokens)" in line
 
 
+def test_step_overhead_is_fitted_to_the_profiles_own_mean_decode_iterations():
+    """Decode iterations of one sequence ran 1.0 and 3.0 ms over the model's sum at two
+    contexts (mean 2.0), those of 64 sequences 5 ms under it (more than the 3 ms term): the
+    term at 1 moves by 2.0 / interference, at 64 to 0 (not below); the self-check after the
+    fit is the contexts' spread around it (+-1.0 ms), and the prefill's row is untouched."""
+    profile = replace(linear_profile(), interference=1.25)
+    model = LatencyModel(profile)
+
+    def decode_ms(batch: int, kv: int) -> float:
+        seqs = [Sequence(Request(i, BE, 0.0, kv, 2)) for i in range(batch)]
+        for q in seqs:
+            q.generated = 1
+        return 1e3 * model.plan(Batch(seqs, Phase.DECODE)).total_s
+
+    totals = {(1, 1, 16, 1): [decode_ms(1, 16) + 1.0] * 3,
+              (1, 1, 64, 1): [decode_ms(1, 64) + 3.0] * 3,
+              (64, 64, 16, 64): [decode_ms(64, 16) - 5.0] * 2,
+              (0, 8, 0, 1): [20.0]}  # fmt: skip
+    fitted, moves = measure.fit_step_overhead(profile, totals)
+    assert moves[1] == pytest.approx(2.0 / 1.25) and moves[64] == pytest.approx(-5.0 / 1.25)
+    overhead = {p.batch_size: p for p in fitted.points if p.op == "step_overhead"}
+    assert overhead[1].median_ms == pytest.approx(3.0 + 1.6)
+    assert overhead[1].p90_ms == pytest.approx(3.0 + 1.6)
+    assert overhead[64].median_ms == 0.0 == overhead[64].p90_ms
+    rows = measure.self_check(fitted, totals)["shapes"]
+    one = [r for r in rows if r["phase"] == "decode" and r["batch_size"] == 1]
+    assert [r["measured_ms"] - r["predicted_ms"] for r in one] == [
+        pytest.approx(-1.0, abs=1e-3), pytest.approx(1.0, abs=1e-3)]  # fmt: skip
+    before = {(r["phase"], r["tokens"]): r for r in measure.self_check(profile, totals)["shapes"]}
+    after = {(r["phase"], r["tokens"]): r for r in rows}
+    assert after[("prefill", 8)]["predicted_ms"] == pytest.approx(
+        before[("prefill", 8)]["predicted_ms"] + 1.6 * 1.25, abs=0.05
+    )  # it pays step_overhead(1)
+    others = [p for p in fitted.points if p.op != "step_overhead"]
+    assert others == [p for p in profile.points if p.op != "step_overhead"]
+
+
 def test_self_check_leaves_out_the_engines_host_time():
     profile = linear_profile()
     host = replace(profile, points=[*profile.points,
