@@ -463,8 +463,9 @@ def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
     (tmp_path / "tiny-a-cpu" / "config.yaml").write_text("name: null\nclock: cpu\n")
     (tmp_path / "tiny-b-cpu" / "config.yaml").write_text("name: null\n")  # before clock=
     validation_table.main([str(tmp_path)])
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 + 4 and lines[2].startswith("| tiny-a-cpu | light | cpu | 20.8% |")
+    out = capsys.readouterr().out.splitlines()
+    lines = [x for x in out if x.startswith("|")]
+    assert len(lines) == 2 + 4 + 2 and lines[2].startswith("| tiny-a-cpu | light | cpu | 20.8% |")
     assert lines[3].startswith("| tiny-a-cpu | overload | cpu | 20.0% |")
     assert lines[4].startswith("| tiny-b-cpu | light | wall | 20.8% |")
     # LS TTFT predicted below both replays, the other means equal to them: inside their range
@@ -472,9 +473,41 @@ def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
     assert lines[3].endswith("| 3 of 4 (1 below, 0 above; exact 50%) |")
     # what the replays' spread allows: LS TTFT's 1.25 and 1.275 (2% apart) at light load
     assert "| 3 of 4 (exact ~4, a replay ~4) |" in lines[2]
+    # the totals per load over both models, their expected counts unrounded
+    assert lines[6].startswith("| all 2 | light | - | 20.8% |")
+    assert "| 6 of 8 (exact ~8.0, a replay ~8.0) |" in lines[6]
+    assert lines[7].startswith("| all 2 | overload | - | 20.0% |")
+    # LS TTFT 20% short in every row: none meets the goal
+    # (no host-normalized line: these records have no host-normalized figure)
+    assert out[-2:] == ["", "Rows meeting the whole goal (the simulator: every per-class mean "
+                        "within 10%, their median within 5%, throughput at overload within "
+                        "5%): 0 of 4."]  # fmt: skip
     with pytest.raises(SystemExit) as e:
         validation_table.main([str(tmp_path / "nowhere")])
     assert e.value.code == 2
+
+
+def test_a_rows_expected_counts_say_when_they_cover_fewer_means_than_its_count():
+    """A point cut to one replay (time_budget_s) has no spread: the row's "exact ~E" covers the
+    other points' means only, and said "12 of 12 (exact ~8, ...)" as if of all 12 (until
+    2026-12-05); the whole goal reads every per-class mean, the median and throughput."""
+    summary = {"classes": {c: {"count": 2, "ttft_s": {"mean": 1.0},
+                               "turnaround_s": {"mean": 2.0}} for c in CLASSES},
+               "throughput": {"jobs_per_s": 4.0}}  # fmt: skip
+    records = records_of("fcfs", 1.0, "light", [summary, summary], summary)
+    records += records_of("qllm", 1.0, "light", [summary], summary)
+    (row,) = validation_table.rows_of("m", records)
+    assert "| 8 of 8 (of the 4 with replays: exact ~4, a replay ~4) |" in row
+    assert validation_table.meets_goal(records) is True
+    assert validation_table.meets_goal(records, "host_normalized_error_pct") is None
+    off = [dict(r, error_pct=6.0) if r["cls"] != "all" else r for r in records]
+    assert validation_table.meets_goal(off) is False  # all within 10%, their median 6%
+    over = [dict(r, load="overload") for r in records]
+    over[-1] = dict(over[-1], error_pct=5.5)  # qllm's throughput
+    assert over[-1]["metric"] == "throughput_jobs" and validation_table.meets_goal(over) is False
+    assert validation_table.meets_goal(
+        [dict(r, error_pct=5.5) if r["metric"] == "throughput_jobs" else r for r in records]
+    )  # light
 
 
 def test_the_summary_table_names_a_workload_other_than_the_default(tmp_path, capsys):
@@ -508,12 +541,13 @@ def test_the_summary_table_names_a_workload_other_than_the_default(tmp_path, cap
         "tiny-d-cpu": "tiny-d-cpu",
     }
     validation_table.main([str(tmp_path)])
-    rows = capsys.readouterr().out.splitlines()[2:]
+    rows = [x for x in capsys.readouterr().out.splitlines()[2:] if x.startswith("|")]
     assert [r.split(" | ")[0] for r in rows] == [
         "| tiny-a-cpu (humaneval)",
         "| tiny-b-cpu",
         "| tiny-c-sharegpt",
         "| tiny-d-cpu",
+        "| all 4",
     ]
 
 
@@ -613,7 +647,8 @@ def test_the_noise_floor_says_what_an_exact_simulator_and_a_replay_would_get_wit
     (tmp_path / "tiny-a-cpu").mkdir()
     (tmp_path / "tiny-a-cpu" / "validation.json").write_text(json.dumps(records + over))
     validation_table.main([str(tmp_path)])
-    head, _, row, overloaded = capsys.readouterr().out.splitlines()
+    head, _, row, overloaded, blank, goal = capsys.readouterr().out.splitlines()
+    assert blank == "" and goal.endswith("): 2 of 2 (tiny-a-cpu at light, tiny-a-cpu at overload).")
     assert "| within 10% (an exact sim, expected; a real replay against the others) |" in head
     assert "| 4 of 4 (exact ~4, a replay ~3) | +0.0% .. +0.0% |" in row  # light: no goal
     assert row.endswith("| 4 of 4 (0 below, 0 above; exact 75%) |")
