@@ -4,13 +4,14 @@
    (``replays`` + 1) x ``profile.passes_per_round`` passes over the grid (``ProfileSource``):
    that many now, and after each round of real replays, so that the profile samples the
    stretch of time the runs do; or read ``profile.path``.
-2. Choose the rates: ``rate = utilization / S1``, S1 the time the first pass's profile
-   predicts for serving the workload's mean request alone (its prefill and its decode steps
-   at batch 1).
+2. Choose the rates: ``rate = utilization / S1``, S1 the time the profile of the first
+   round's passes predicts for serving the workload's mean request alone (its prefill and
+   its decode steps at batch 1).
 3. At each rate, build the request list once (prompts cut, token ids drawn) and, for each
    policy, replay it ``replays`` times through the real engine (``clock``: wall, or cpu, this
    process's CPU time while busy, for a machine shared with other work), round by round
-   (every point's first replay, a profile pass, every point's second, ...), and once through
+   (every point's first replay, ``passes_per_round`` profile passes, every point's
+   second, ...), and once through
    the simulator (``sim.run.simulate`` reading the final profile, routing from its measured
    expert load; it is deterministic). Both get their scheduler from
    ``sim.run.build_scheduler`` with the same profile, so they differ only in how time passes.
