@@ -23,7 +23,6 @@ import shlex
 import shutil
 import signal
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Glob, IntervalSweep, Override, OverrideType
-from hydra.errors import HydraException
+from hydra.errors import CompactHydraException, HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -65,6 +64,7 @@ class Plan:
     multirun: bool = False
     directory: str | None = None  # the sweep dir (multirun) or the run dir
     jobs: list[list[str]] = field(default_factory=list)  # each job's overrides (multirun)
+    ray: bool = False  # a sweep on Ray's launcher
 
 
 def fail(prog: str, message: str) -> None:
@@ -74,9 +74,13 @@ def fail(prog: str, message: str) -> None:
 
 
 FAILED: list[str] = []  # the messages ``fail`` gave in this process (``job``: a Ray worker's)
-# Where a Ray worker leaves a job's one-line error (``job``) for the sweep's driver (``run``):
-# this folder of the sweep's directory, a file per job
-JOB_ERRORS = ".job_errors"
+
+
+class JobFailed(CompactHydraException):
+    """A job's one-line error (its message) where a Ray worker ran it (``job``): raised, not
+    exited, so that Hydra's ``run_job`` returns it to the sweep's driver, which ``run``
+    reports in one line; a Ray worker that exits is retried (3 times), and the sweep then
+    ended in a page of ``WorkerCrashedError`` traceback (until 2026-12-05)."""
 
 
 def in_ray_worker() -> bool:
@@ -158,36 +162,15 @@ def job(task: Callable[[DictConfig], object]) -> Callable[[DictConfig], object]:
         except SystemExit as e:
             if not ray or e.code in (0, None):
                 raise
-            # Ray retried a task whose worker exited (3 times), then the sweep ended in a page
-            # of WorkerCrashedError traceback (until 2026-12-05): the job returns instead,
-            # its error left where the sweep's driver reads it (``run``)
-            from hydra.core.hydra_config import HydraConfig
 
-            hc = HydraConfig.get()
-            errors = Path(hc.sweep.dir) / JOB_ERRORS
-            errors.mkdir(parents=True, exist_ok=True)
             from sim.cli import FAILED as failed  # the module's (Ray pickles this closure)
+            from sim.cli import JobFailed as failure
 
-            message = failed[-1] if failed else f"exit code {e.code}"
-            overrides = " ".join(hc.overrides.task) or "no overrides"
-            (errors / f"{hc.job.num}.txt").write_text(f"{message}\n{overrides}\n")
-            return None
+            raise failure(failed[-1] if failed else f"exit code {e.code}") from None
         finally:
             INTERRUPTS.in_job = False
 
     return wrapper
-
-
-def job_errors(directory: str | None, since: float) -> list[tuple[str, str]]:
-    """The (message, job's overrides) that the jobs of a sweep in ``directory`` left (``job``)
-    since ``since`` (time.time()), the job numbers' order; the folder removed."""
-    errors = Path(directory or "") / JOB_ERRORS
-    if directory is None or not errors.is_dir():
-        return []
-    files = sorted(errors.glob("*.txt"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1)
-    found = [tuple(p.read_text().splitlines()[:2]) for p in files if p.stat().st_mtime >= since]
-    shutil.rmtree(errors, ignore_errors=True)
-    return [(f[0], f[1] if len(f) > 1 else "?") for f in found if f]
 
 
 def run(app: App, main: Callable[[], object], argv: Sequence[str] | None = None) -> None:
@@ -207,14 +190,22 @@ def run(app: App, main: Callable[[], object], argv: Sequence[str] | None = None)
         if INTERRUPTS.pending:  # while the command line was checked: nothing ran
             raise KeyboardInterrupt
         sys.argv = [sys.argv[0], *plan.argv]
-        start = time.time() - 1  # a coarse file system's mtime
-        main()
+        # a Ray job's JobFailed, raised to here (Hydra's own report of it adds its traceback
+        # hint), after Hydra's line naming the job's overrides: one line of ours
+        full_error = os.environ.get("HYDRA_FULL_ERROR")
+        if plan.ray:
+            os.environ["HYDRA_FULL_ERROR"] = "1"
+        try:
+            main()
+        except JobFailed as e:
+            fail(app.prog, str(e))
+        finally:
+            if plan.ray:
+                os.environ.pop("HYDRA_FULL_ERROR", None)
+                if full_error is not None:
+                    os.environ["HYDRA_FULL_ERROR"] = full_error
         if INTERRUPTS.pending:  # it came after the last job started
             raise KeyboardInterrupt
-        if plan.multirun and (failed := job_errors(plan.directory, start)):
-            message, where = failed[0]  # where: the job's overrides
-            more = f"; {len(failed) - 1} more of its jobs failed" if failed[1:] else ""
-            fail(app.prog, f"{message} (the job {where}{more})")
     except KeyboardInterrupt:
         what = ("nothing ran (the command line was being checked)" if plan is None
                 else interrupted(app, plan))  # fmt: skip
@@ -268,7 +259,8 @@ def prepare(app: App, argv: list[str]) -> Plan:
         jobs = [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
         if len(jobs) > len(combos) and app.check is not None:
             check_jobs(app, jobs)
-        return Plan(argv, multirun=True, directory=sweep_dir, jobs=jobs)
+        ray = str(hydra_cfg.launcher.get("_target_", "")).endswith("RayLauncher")
+        return Plan(argv, multirun=True, directory=sweep_dir, jobs=jobs, ray=ray)
     if not app.run_dir_per_run:
         return Plan(argv)
     run_dir = str(hydra_cfg.run.dir)

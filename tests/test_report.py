@@ -20,7 +20,6 @@ from hydra import compose, initialize_config_dir
 
 from sim import reproduce
 from sim.app import CONF_DIR
-from sim.cli import JOB_ERRORS, job_errors
 from sim.notebook import results_dir
 from sim.report import CLASSES, FIGURES, cli, load_sweep
 from sim.reproduce import compare, slo_max_rate
@@ -563,33 +562,24 @@ def test_ray_launcher_runs_a_sweep_on_a_local_ray(tmp_path):
 def test_a_job_that_fails_on_ray_is_one_line_and_the_others_finish(tmp_path):
     """A job's one-line error in a Ray worker exited the worker: Ray retried it 3 times and
     the sweep ended in a WorkerCrashedError traceback of ~35 lines (until 2026-12-05). Now the
-    job returns, the others finish, and the sweep ends with its error in one line, exit 2."""
+    job fails as an exception Hydra returns to the driver: the other job finishes, and the
+    sweep ends with Hydra's line naming the job and the job's error in one line, exit 2."""
     r = qllm_sim("-m", "profile.kv_capacity_tokens=10,null", "workload=synthetic",
                  "workload.num_requests=8", "hydra/launcher=ray",
                  "+hydra.launcher.ray.init.num_cpus=2",
                  "+hydra.launcher.ray.init.include_dashboard=false",
                  f"hydra.sweep.dir={tmp_path}")  # fmt: skip
     assert r.returncode == 2, r.stderr[-3000:]
-    # the driver's line (Ray forwards the workers' own, prefixed, whenever they come)
-    (line,) = [x for x in r.stderr.splitlines() if x.startswith("qllm-sim: error: ")]
-    assert line.startswith("qllm-sim: error: profile.kv_capacity_tokens: request "), line
-    assert "(the job profile.kv_capacity_tokens=10 " in line
+    # the driver's lines (Ray forwards the workers' own, prefixed, whenever they come):
+    # Hydra's naming the job, then the job's error in one line
+    driver = [x for x in r.stderr.splitlines() if x.startswith(("qllm-sim", "Error executing"))]
+    assert driver[0].startswith("Error executing job with overrides: "
+                                "['profile.kv_capacity_tokens=10'"), driver  # fmt: skip
+    assert len(driver) == 2 and driver[1].startswith(
+        "qllm-sim: error: profile.kv_capacity_tokens: request "), driver  # fmt: skip
     assert "Traceback" not in r.stderr and "WorkerCrashedError" not in r.stderr
     assert "retries remaining" not in r.stderr
     assert len(list(tmp_path.glob("*/summary.json"))) == 1  # the other job's
-    assert not (tmp_path / JOB_ERRORS).exists()
-
-
-def test_job_errors_reads_this_sweeps_and_clears_them(tmp_path):
-    errors = tmp_path / JOB_ERRORS
-    errors.mkdir()
-    (errors / "10.txt").write_text("later job\nseed=10\n")
-    (errors / "2.txt").write_text("first job\nseed=2\n")
-    (errors / "1.txt").write_text("an earlier sweep's\nseed=1\n")
-    os.utime(errors / "1.txt", (0, 0))
-    assert job_errors(str(tmp_path), since=time.time() - 60) == [
-        ("first job", "seed=2"), ("later job", "seed=10")]  # fmt: skip
-    assert not errors.exists() and job_errors(str(tmp_path), since=0) == []
 
 
 # ------------------------------------------------------------------ qllm-report audit (4-8)
