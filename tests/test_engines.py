@@ -75,8 +75,8 @@ def test_vllm_fcfs_requeues_the_latest_preempted_first_across_classes():
     latest preempted comes first, whatever its arrival or class (until 2026-12-05 preempted
     requests were ordered by arrival: LS 0 before BE 2 here)."""
     s = Scheduler(VLLM(), kv_capacity_tokens=10_000)
-    ls0, be1, be2 = (s.arrive(req(0, "LS"), 0), s.arrive(req(1, t=0.1), 0.1),
-                     s.arrive(req(2, t=0.2), 0.2))  # fmt: skip
+    ls0, _, be2 = (s.arrive(req(0, "LS"), 0), s.arrive(req(1, t=0.1), 0.1),
+                   s.arrive(req(2, t=0.2), 0.2))  # fmt: skip
     assert ids(step(s)) == [0, 1, 2]
     for q in (ls0, be2):  # preempted in this order (by hand, as Scheduler._grow does)
         s.ready[q.cls].remove(q)
