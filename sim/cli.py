@@ -85,13 +85,10 @@ class JobFailed(CompactHydraException):
 
 def in_ray_worker() -> bool:
     """Whether this process is a Ray worker (a job of ``hydra/launcher=ray`` or ``ray_cluster``)."""
-    if "ray" not in sys.modules:
-        return False
-    try:
-        from ray._private.worker import WORKER_MODE, global_worker
-    except ImportError:
-        return False
-    return getattr(global_worker, "mode", None) == WORKER_MODE
+    # not imported here: Ray is a sweep's, absent where no sweep runs (the GPU machine)
+    worker = getattr(getattr(sys.modules.get("ray"), "_private", None), "worker", None)
+    mode = getattr(getattr(worker, "global_worker", None), "mode", None)
+    return mode is not None and mode == getattr(worker, "WORKER_MODE", object())
 
 
 # Where an interrupt is deferred: code that reads configs (Hydra's, OmegaConf's, PyYAML's)

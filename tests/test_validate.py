@@ -1001,8 +1001,13 @@ def test_the_host_normalized_prediction_is_the_mean_rerun_at_each_probe_speed(tm
     plain = records_of("fcfs", 1.0, "light", reals, summary(0.8))
     assert "host-normalized" not in summary_line(plain) and "norm err%:" not in table(plain)
     (tmp_path / "m-cpu" / "validation.json").write_text(json.dumps(plain))
-    row = validation_table.table(tmp_path).splitlines()[-1].split(" | ")
+    lines = validation_table.table(tmp_path).splitlines()
+    row = [x for x in lines if x.startswith("| m-cpu ")][-1].split(" | ")
     assert row[8] == "-"  # the host-normalized column
+    # and no host-normalized count of the rows meeting the goal, where none was measured
+    assert [x for x in lines if x.startswith("Rows meeting")] == [
+        "Rows meeting the whole goal (the simulator: every per-class mean within 10%, their "
+        "median within 5%, throughput at overload within 5%): 0 of 1."]  # fmt: skip
 
 
 def test_a_point_whose_figure_moves_with_the_speed_is_called_ill_conditioned(tmp_path, capsys):
