@@ -68,7 +68,9 @@ than inside an iteration, where the rest of the model streamed through the cache
   ``wake.prompt_tokens``, decode steps of it, as many as take ``WAKE_WINDOW_MS`` warm, each
   rewound and fed a new random token, then a prefill of another such prompt) run back to
   back untimed (so that the last sample's slow-down is over
-  and the device is busy when the gap starts), then the device left idle that long, then
+  and the device is busy when the gap starts), then the device left idle that long (waited
+  as ``wake.wait`` says: spin or sleep, as the engine the profile is for waits;
+  ``profiler.settings.IDLE_WAITS``), then
   such a window again, each iteration timed. A step's excess is its time over the median of
   the window's second half, by then warm, and the first prefill's its time over the last
   one's: a reference taken right after the slow-down, not from a window before the gap,
@@ -148,6 +150,7 @@ from profiler.settings import (  # noqa: F401 (measure.Settings etc., as before)
     DECODE_WARMUP,
     WAKE_PROMPT_TOKENS,
     Settings,
+    wait_idle,
 )
 
 # The busy time over which a wake-up is followed (the steps timed per sample: this much work,
@@ -809,7 +812,7 @@ class Profiler:
             self.wake_window_steps = wake_steps(warm_ms)
         for idle_ms in s.wake_idle_ms:
             self._wake_window(self.wake_window_steps)
-            time.sleep(idle_ms / 1e3)
+            wait_idle(idle_ms / 1e3, s.wake_wait)
             self.wake_runs[idle_ms].append(self._wake_window(self.wake_window_steps))
 
     def wake_points(self, top_up: bool = True) -> list[OpPoint]:

@@ -4,19 +4,30 @@ runs on a shared CPU, a virtual clock for tests.
 Both count seconds from ``start()``. The engine reads ``now()`` at every stage boundary, calls
 ``tick()`` after every stage it executes and ``sleep_until()`` when it has nothing to run, and
 ``exclude(s)`` after work that is not the run's (the host-speed probe): the clock then reads
-as if those seconds had not passed.
+as if those seconds had not passed. An idle wait spins or sleeps (``idle_wait``:
+``profiler.settings.IDLE_WAITS``; the config's ``idle_wait``, spin by default: an engine
+that sleeps gives its core, and its caches, to whatever else runs on the machine).
 """
 
 from __future__ import annotations
 
 import time
 
+from profiler.settings import IDLE_WAITS, wait_idle
+
+
+def _checked(idle_wait: str) -> str:
+    if idle_wait not in IDLE_WAITS:
+        raise ValueError(f"idle_wait={idle_wait}: expected one of {', '.join(IDLE_WAITS)}")
+    return idle_wait
+
 
 class WallClock:
-    """Real time: arrivals are replayed as they would happen, idle waits sleep."""
+    """Real time: arrivals are replayed as they would happen, idle waits spin or sleep."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_wait: str = "spin") -> None:
         self.t0 = time.perf_counter()
+        self.idle_wait = _checked(idle_wait)
 
     def start(self) -> None:
         self.t0 = time.perf_counter()
@@ -33,7 +44,7 @@ class WallClock:
     def sleep_until(self, t: float) -> None:
         delay = t - self.now()
         if delay > 0:
-            time.sleep(delay)
+            wait_idle(delay, self.idle_wait)
 
 
 class CpuClock:
@@ -41,14 +52,16 @@ class CpuClock:
 
     On a machine shared with other processes, wall time counts the time they take the core
     away; CPU time counts what the engine itself did (with one torch thread, the wall time the
-    work takes on a core of its own). Idle waits still sleep, in wall time, so that whatever
-    slows down when idle (clocks, caches) does so here too; the clock then jumps to the
-    arrival. CPU only: a GPU's work is not this process's CPU time.
+    work takes on a core of its own). Idle waits still take their wall time (spun or slept, as
+    ``idle_wait`` says), so that whatever slows down when idle (clocks, caches) does so here
+    too; the clock then jumps to the arrival, whatever CPU time the wait took. CPU only: a
+    GPU's work is not this process's CPU time.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, idle_wait: str = "spin") -> None:
         self.t0 = time.process_time()  # now() = CPU time since t0 + the idle waits
         self.waited = 0.0
+        self.idle_wait = _checked(idle_wait)
 
     def start(self) -> None:
         self.t0, self.waited = time.process_time(), 0.0
@@ -65,8 +78,8 @@ class CpuClock:
     def sleep_until(self, t: float) -> None:
         delay = t - self.now()
         if delay > 0:
-            time.sleep(delay)
-            self.waited += t - self.now()  # the gap, not the CPU time spent while asleep
+            wait_idle(delay, self.idle_wait)
+            self.waited += t - self.now()  # the gap, not the CPU time spent while waiting
 
 
 class VirtualClock:

@@ -18,7 +18,7 @@ from profiler.models import ModelError, ModelInfo, build_model
 from profiler.ops import ModelRunner, RunnerError
 from profiler.schema import Memory
 from realrun.clock import CpuClock, VirtualClock, WallClock
-from realrun.config import ClockKind, TraceLevel, validate_realrun
+from realrun.config import ClockKind, IdleWait, TraceLevel, validate_realrun
 from realrun.engine import RealEngine, RealResult
 from realrun.prompts import build_prompts, load_tokenizer, random_ids
 from realrun.trace import ChromeTrace
@@ -99,10 +99,11 @@ def footprint_bytes(requests: list[Request], batch_size: int, kv_bytes_per_token
     return (sum(lengths) + 2 * batch_size * max(lengths)) * kv_bytes_per_token
 
 
-def make_clock(kind: ClockKind, virtual_stage_ms: float = 1.0):
+def make_clock(kind: ClockKind, virtual_stage_ms: float = 1.0, idle_wait: str = "spin"):
+    """The run's clock; ``idle_wait`` (spin | sleep): how a real clock waits for an arrival."""
     if kind is ClockKind.virtual:
         return VirtualClock(virtual_stage_ms / 1e3)
-    return CpuClock() if kind is ClockKind.cpu else WallClock()
+    return CpuClock(idle_wait) if kind is ClockKind.cpu else WallClock(idle_wait)
 
 
 def execute(
@@ -165,7 +166,11 @@ def realrun(cfg: Any) -> RealOutput:
         )
     level = TraceLevel(cfg.trace)
     trace = None if level is TraceLevel.off else ChromeTrace(stages=level is TraceLevel.stages)
-    clock = make_clock(ClockKind(cfg.clock), cfg.get("virtual_stage_ms", 1.0))
+    clock = make_clock(
+        ClockKind(cfg.clock),
+        cfg.get("virtual_stage_ms", 1.0),
+        IdleWait(cfg.get("idle_wait", "spin")).value,
+    )
     out = execute(requests, prompts, scheduler, runner, cfg.slo, clock, trace, cfg.progress)
     # what ran, where the config says auto or null (summary.json's config keeps what was asked:
     # a CPU and a GPU run of one config, or two jobs of a sweep that measured another free

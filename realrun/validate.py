@@ -60,7 +60,8 @@ from tqdm import tqdm
 
 from policies.core import BE, LS, Batch, Phase, Request, Sequence
 from profiler.schema import GRID_KEYS, SettingsError, int_list
-from realrun.config import ClockKind, ValidateConfig, validate_engine, validate_shared
+from profiler.settings import wait_idle
+from realrun.config import ClockKind, IdleWait, ValidateConfig, validate_engine, validate_shared
 from realrun.validation_table import (
     GOAL_PCT,
     ILL_CONDITIONED_PCT,
@@ -141,13 +142,25 @@ def passes_per_round(cfg: DictConfig) -> tuple[int, int]:
     return asked, max(1, min(asked, repeats // (cfg.replays + 1)))
 
 
+def idle_wait(cfg: DictConfig) -> str:
+    """How the runs wait when idle (``idle_wait``: spin | sleep)."""
+    return IdleWait(cfg.get("idle_wait", "spin")).value
+
+
+WAITING = {"spin": "spinning", "sleep": "sleeping"}
+
+
 def profile_settings_cfg(cfg: DictConfig) -> dict:
     """The profiler's settings as ``cfg.profile`` gives them (but ``path``), its null clock the
-    runs' (CPU time: the process clock), its ``passes`` the rounds' (``passes_per_round``)."""
+    runs' (CPU time: the process clock), its null ``wake.wait`` the runs' ``idle_wait``, its
+    ``passes`` the rounds' (``passes_per_round``)."""
     settings_cfg = {k: v for k, v in OmegaConf.to_container(cfg.profile).items()
                     if k not in ("path", "passes_per_round")}  # fmt: skip
     if settings_cfg.get("clock") is None:
         settings_cfg["clock"] = "process" if ClockKind(cfg.clock) is ClockKind.cpu else "wall"
+    wake = settings_cfg.get("wake")
+    if isinstance(wake, dict) and wake.get("wait") is None:
+        settings_cfg["wake"] = {**wake, "wait": idle_wait(cfg)}
     settings_cfg["passes"] = (cfg.replays + 1) * passes_per_round(cfg)[1]
     return settings_cfg
 
@@ -286,6 +299,13 @@ class ProfileSource:
                 print(f"warning: profile.path={path} was timed on the {timed} clock, these "
                       f"runs on the {clock} clock (clock={ClockKind(cfg.clock).value}): their "
                       "errors mix the two", file=sys.stderr)  # fmt: skip
+            # profiles before 2026-12-05 slept through their wake-up gaps (no wake_wait)
+            waited = ((profile.extra or {}).get("settings") or {}).get("wake_wait", "sleep")
+            if profile.op_points("wake_up") and waited != idle_wait(cfg):
+                print(f"warning: profile.path={path} waited its wake-up gaps by "
+                      f"{WAITING.get(waited, waited)}, these runs {idle_wait(cfg)} (idle_wait="
+                      f"{idle_wait(cfg)}): the wake-up it charges after a gap is another "
+                      "engine's", file=sys.stderr)  # fmt: skip
             # the results folder holds the profile its runs were predicted with (unless the
             # profile given is that folder's own: a rerun into the same results)
             if Path(path).resolve() != self.directory:
@@ -298,6 +318,14 @@ class ProfileSource:
 
         settings_cfg = profile_settings_cfg(cfg)
         runs_clock = "process" if ClockKind(cfg.clock) is ClockKind.cpu else "wall"
+        wake = settings_cfg.get("wake")
+        waited = wake.get("wait") if isinstance(wake, dict) else None
+        if waited is not None and waited != idle_wait(cfg):  # as for a profile.path's
+            print(f"warning: profile.wake.wait={waited}: the profile's wake-up gaps are "
+                  f"waited by {WAITING.get(waited, waited)}, these runs' by "
+                  f"{WAITING[idle_wait(cfg)]} "
+                  f"(idle_wait={idle_wait(cfg)}): the wake-up it charges after a gap is another "
+                  "engine's", file=sys.stderr)  # fmt: skip
         if settings_cfg["clock"] != runs_clock:  # as for a profile.path timed on another
             print(f"warning: profile.clock={settings_cfg['clock']}: the profile is timed on the "
                   f"{settings_cfg['clock']} clock, these runs on the {runs_clock} clock "
@@ -885,11 +913,12 @@ DUTY_STEPS, DUTY_GAP_S, DUTY_SECONDS, DUTY_CYCLES = 10, 0.1, 2.0, 2
 DUTY_WARNING = 1.10
 
 
-def duty_slowdown(runner, clock: ClockKind, seed: int) -> float | None:
-    """How many times slower decode steps run in bursts of DUTY_STEPS, DUTY_GAP_S apart, than
-    back to back (medians, on the runs' clock; None on the virtual clock): what a low duty
-    cycle costs on this machine beyond the wake-up, which the profile measures from a warm
-    state (the first steps after one gap)."""
+def duty_slowdown(runner, clock: ClockKind, seed: int, idle_wait: str = "spin") -> float | None:
+    """How many times slower decode steps run in bursts of DUTY_STEPS, DUTY_GAP_S apart (the
+    gaps waited as the runs wait them: ``idle_wait``), than back to back (medians, on the
+    runs' clock; None on the virtual clock): what a low duty cycle costs on this machine
+    beyond the wake-up, which the profile measures from a warm state (the first steps after
+    one gap)."""
     if clock is ClockKind.virtual:
         return None
     from realrun.prompts import random_ids
@@ -914,7 +943,7 @@ def duty_slowdown(runner, clock: ClockKind, seed: int) -> float | None:
         end = time.perf_counter() + DUTY_SECONDS
         while time.perf_counter() < end:
             duty += [step() for _ in range(DUTY_STEPS)]
-            time.sleep(DUTY_GAP_S)
+            wait_idle(DUTY_GAP_S, idle_wait)
     return statistics.median(duty) / statistics.median(busy)
 
 
@@ -1095,7 +1124,7 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None,
             longest = max((requests for requests, _ in lists.values()), key=len)
             footprint = footprint_bytes(longest, largest_batch, profile.memory.kv_bytes_per_token)
             runner.reserve(RESERVE_HEADROOM * footprint)
-        duty = duty_slowdown(runner, ClockKind(cfg.clock), cfg.seed)
+        duty = duty_slowdown(runner, ClockKind(cfg.clock), cfg.seed, idle_wait(cfg))
         if source.measuring:  # a given profile (profile.path) is used as it is
             host_cfg = sim_config(cfg, HOST_POLICY, source.directory)
             host_points = measure_engine_host(runner, host_cfg, profile, largest_batch,
@@ -1123,7 +1152,8 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None,
             start = time.perf_counter()
             with phases("real runs"):
                 real = execute(requests, prompts, build_scheduler(sims[cases[i][2]], profile),
-                               runner, cfg.slo, make_clock(ClockKind(cfg.clock)),
+                               runner, cfg.slo,
+                               make_clock(ClockKind(cfg.clock), idle_wait=idle_wait(cfg)),
                                probe=speed_probe)  # fmt: skip
             budget.ran(makespans[i], time.perf_counter() - start)
             reals[i].append((real.summary, real.result.segments, round_no * len(cases) + place,

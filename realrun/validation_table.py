@@ -1,18 +1,19 @@
-"""``python -m realrun.validation_table DIR``: one markdown table over every validation under
-DIR (``<DIR>/<model>-<device>/validation.json``, as ``make validate`` writes them): per model
-(and workload, where it is not the default synthetic one) and load level, the clock the real
-runs were timed on (wall, or cpu: ``clock=cpu``), the worst and median per-class mean error,
-how many are within 10%, the throughput error, the real engine's own spread (the replays' worst
-CV), the host-normalized comparison (how many per-class means are within 10% once the profile
-is scaled by the host's speed during each real run as the probe between its iterations measured
-it, ``profiler.probe``; "-" for validations written before it, 2026-12-03), the speed-adjusted
-diagnostic (how many per-class means are within 10% once each real run's measured speed scales
-the profile; "-" for validations written before it), and how many per-class means are
-ill-conditioned (the simulator's figure moves more than 10% with every iteration
-``sensitivity_pct`` faster or slower; "-" for validations written before it), and how many
-per-class means the simulator puts within the real replays' own min-max range (below it, above
-it): a simulator exact on a point's real median would be in that range with probability 1 -
-2^(1 - replays), 75% at 3 replays ("-" with one replay).
+"""``python -m realrun.validation_table DIR``: one markdown table over every validation under DIR
+(``<DIR>/<model>-<device>/validation.json``, as ``make validate`` writes them): per model (and
+workload, where it is not the default synthetic one) and load level, the clock the real runs
+were timed on (wall, or cpu: ``clock=cpu``) and how their engine waited when idle (spin, or
+sleep: ``idle_wait``; every run before 2026-12-05 slept), the worst and median per-class mean
+error, how many are within 10%, the throughput error, the real engine's own spread (the
+replays' worst CV), the host-normalized comparison (how many per-class means are within 10%
+once the profile is scaled by the host's speed during each real run as the probe between its
+iterations measured it, ``profiler.probe``; "-" for validations written before it, 2026-12-03),
+the speed-adjusted diagnostic (how many per-class means are within 10% once each real run's
+measured speed scales the profile; "-" for validations written before it), and how many
+per-class means are ill-conditioned (the simulator's figure moves more than 10% with every
+iteration ``sensitivity_pct`` faster or slower; "-" for validations written before it), and how
+many per-class means the simulator puts within the real replays' own min-max range (below it,
+above it): a simulator exact on a point's real median would be in that range with probability
+1 - 2^(1 - replays), 75% at 3 replays ("-" with one replay).
 
 Beside the simulator's count within 10%, what the real engine's own spread allows
 (``noise_floor``): how many per-class means a simulator exact on each point's true mean would
@@ -113,16 +114,28 @@ def noise_floor(records: list[dict], bound_pct: float = GOAL_PCT, throughput: bo
             sum(replay_within(v, bound_pct) for v in found), len(found))  # fmt: skip
 
 
-def clock_of(directory: Path) -> str:
-    """The clock of the validation in ``directory`` (its config.yaml; runs before ``clock``
-    existed were on the wall clock)."""
+def _top_key(directory: Path, key: str, before: str) -> str:
+    """A top-level key of the validation's config.yaml in ``directory``; ``before`` where it
+    has none (a run from before the key existed), "?" without a config.yaml."""
     config = directory / "config.yaml"
     if not config.is_file():
         return "?"
     for line in config.read_text().splitlines():
-        if line.startswith("clock:"):
+        if line.startswith(f"{key}:"):
             return line.split(":", 1)[1].strip()
-    return "wall"
+    return before
+
+
+def clock_of(directory: Path) -> str:
+    """The clock of the validation in ``directory`` (its config.yaml; runs before ``clock``
+    existed were on the wall clock)."""
+    return _top_key(directory, "clock", "wall")
+
+
+def idle_wait_of(directory: Path) -> str:
+    """How the validation's real engine waited when idle (``idle_wait``; runs before it
+    existed, 2026-12-05, slept)."""
+    return _top_key(directory, "idle_wait", "sleep")
 
 
 # qllm-validate's own workload (conf/validate.yaml): the table names any other
@@ -226,7 +239,7 @@ def table(root: Path) -> str:
     found = sorted(root.glob("*/validation.json"))
     if not found:
         raise FileNotFoundError(f"no */validation.json under {root}")
-    lines = ["| model | load | clock | worst per-class error | median "
+    lines = ["| model | load | clock, idle wait | worst per-class error | median "
              "| within 10% (an exact sim, expected; a real replay against the others) "
              "| throughput error | real replays' worst CV "
              "| host-normalized within 10% "
@@ -240,7 +253,7 @@ def table(root: Path) -> str:
         if not records or "load" not in records[0]:
             raise ValueError(f"{path}: written by an older qllm-validate (no load field)")
         name = label_of(path.parent)
-        lines += rows_of(name, records, clock_of(path.parent))
+        lines += rows_of(name, records, f"{clock_of(path.parent)}, {idle_wait_of(path.parent)}")
         every += records
         for load in sorted({r["load"] for r in records}, key=_load_order):
             for key, met in goal.items():

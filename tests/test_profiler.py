@@ -11,9 +11,8 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -541,7 +540,7 @@ def test_wake_up_is_the_extra_time_of_the_first_steps_after_an_idle_gap(monkeypa
         clock["now"] += seconds
 
     monkeypatch.setattr(runner, "run", run)
-    monkeypatch.setattr(measure, "time", SimpleNamespace(sleep=sleep))
+    monkeypatch.setattr(measure, "wait_idle", lambda seconds, wait: sleep(seconds))
     settings = Settings([4], [1], [8], [1], wake_idle_ms=(2, 150), wake_repeats=3,
                         wake_prompt_tokens=12)  # fmt: skip
     profiler = Profiler(runner, settings, torch.device("cpu"))
@@ -594,7 +593,7 @@ def test_a_window_that_runs_slower_as_a_whole_is_drift_not_a_wake_up(monkeypatch
         clock["sleeps"] += 1
 
     monkeypatch.setattr(runner, "run", run)
-    monkeypatch.setattr(measure, "time", SimpleNamespace(sleep=sleep))
+    monkeypatch.setattr(measure, "wait_idle", lambda seconds, wait: sleep(seconds))
     settings = Settings([4], [1], [8], [1], wake_idle_ms=(100, 150), wake_repeats=3)
     profiler = Profiler(runner, settings, torch.device("cpu"))
     profiler.clock.clock = lambda: clock["now"]
@@ -651,7 +650,7 @@ def test_the_wake_ups_repeats_are_spread_over_the_passes(monkeypatch):
     def sleep(seconds):
         slept.append((profilers[-1].passes_done, round(seconds * 1e3)))
 
-    monkeypatch.setattr(measure, "time", SimpleNamespace(sleep=sleep))
+    monkeypatch.setattr(measure, "wait_idle", lambda seconds, wait: sleep(seconds))
     points = profilers[-1].points(progress=False)
     assert slept == [(1, 1), (1, 2), (2, 1), (2, 2)]  # none in pass 0, none after the passes
     assert {k: len(v) for k, v in profilers[-1].wake_samples.items()} == {1: 2, 2: 2}
@@ -1189,6 +1188,37 @@ def test_settings_refuse_no_passes_read_a_null_wake_as_off_and_warn_of_batches_n
     err = capsys.readouterr().err
     assert f"grid.prefill_batch_tokens {longest // 2} with" in err and "no batch" in err
     assert f"{2 * longest}, {2 * longest + 1} with" in err and "profiled once" in err
+
+
+def test_the_wake_up_gaps_are_waited_as_the_engine_waits(monkeypatch):
+    """wake.wait (spin by default, as the engine's idle_wait) is how each wake-up gap is
+    waited, and is recorded in the profile's settings; a sleeping engine ran light-load
+    iterations 5-10% slower on this VM, so a profile whose gaps slept charges another
+    engine's wake-up. spin holds the core (its CPU time), sleep gives it back."""
+    from omegaconf import OmegaConf
+
+    from profiler import settings as settings_module
+
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "profiler.yaml")
+    assert Settings.from_config(cfg).wake_wait == "spin"
+    assert Settings.from_config(OmegaConf.merge(cfg, {"wake": {"wait": "sleep"}})).wake_wait \
+        == "sleep"  # fmt: skip
+    with pytest.raises(measure.SettingsError, match="^wake.wait=nap: expected one of spin, sl"):
+        Settings.from_config(OmegaConf.merge(cfg, {"wake": {"wait": "nap"}}))
+    for wait, held in (("spin", True), ("sleep", False)):
+        cpu, wall = time.process_time(), time.perf_counter()
+        settings_module.wait_idle(0.2, wait)
+        assert time.perf_counter() - wall >= 0.2
+        assert (time.process_time() - cpu > 0.1) is held, wait
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    waited = []
+    monkeypatch.setattr(measure, "wait_idle", lambda seconds, wait: waited.append((seconds, wait)))
+    for wait in ("spin", "sleep"):
+        settings = Settings([4], [1], [8], [1], wake_idle_ms=(3,), wake_repeats=1,
+                            wake_wait=wait)  # fmt: skip
+        Profiler(runner, settings, torch.device("cpu")).wake_points()
+        assert waited.pop() == (0.003, wait)
+        assert asdict(settings)["wake_wait"] == wait  # profile.json's extra.settings
 
 
 def test_a_cuda_device_is_checked_and_made_current_and_its_cached_memory_counts_free(monkeypatch):

@@ -460,14 +460,16 @@ def test_the_summary_table_reads_every_models_records(tmp_path, capsys):
         records += records_of("qllm", 9.0, "overload", [real, real], summary)
         (tmp_path / model).mkdir()
         (tmp_path / model / "validation.json").write_text(json.dumps(records))
-    (tmp_path / "tiny-a-cpu" / "config.yaml").write_text("name: null\nclock: cpu\n")
+    (tmp_path / "tiny-a-cpu" / "config.yaml").write_text("name: null\nclock: cpu\n"
+                                                         "idle_wait: spin\n")  # fmt: skip
     (tmp_path / "tiny-b-cpu" / "config.yaml").write_text("name: null\n")  # before clock=
     validation_table.main([str(tmp_path)])
     out = capsys.readouterr().out.splitlines()
     lines = [x for x in out if x.startswith("|")]
-    assert len(lines) == 2 + 4 + 2 and lines[2].startswith("| tiny-a-cpu | light | cpu | 20.8% |")
-    assert lines[3].startswith("| tiny-a-cpu | overload | cpu | 20.0% |")
-    assert lines[4].startswith("| tiny-b-cpu | light | wall | 20.8% |")
+    assert len(lines) == 2 + 4 + 2
+    assert lines[2].startswith("| tiny-a-cpu | light | cpu, spin | 20.8% |")
+    assert lines[3].startswith("| tiny-a-cpu | overload | cpu, spin | 20.0% |")
+    assert lines[4].startswith("| tiny-b-cpu | light | wall, sleep | 20.8% |")  # both before
     # LS TTFT predicted below both replays, the other means equal to them: inside their range
     assert lines[2].endswith("| 3 of 4 (1 below, 0 above; exact 50%) |")
     assert lines[3].endswith("| 3 of 4 (1 below, 0 above; exact 50%) |")
@@ -734,6 +736,41 @@ def test_a_profile_clock_other_than_the_runs_is_warned_of(tmp_path, capsys):
     ) in capsys.readouterr().err
 
 
+def test_the_profile_waits_its_wake_up_gaps_as_the_runs_wait_or_is_warned_of(tmp_path, capsys):
+    """The profile's wake-up gaps are waited as the runs' idle gaps (profile.wake.wait null:
+    idle_wait, spin by default); another wait given, or a profile.path whose gaps slept (every
+    profile before 2026-12-05: no wake_wait in its settings), is warned of: a sleeping engine
+    ran light-load iterations 5-10% slower on this VM, so its wake-up is another engine's."""
+    from realrun.run import load_model
+    from realrun.validate import ProfileSource, profile_settings_cfg
+
+    own = ROOT / "results" / "validation" / "tiny-olmoe-cpu" / "profile"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        default = compose("validate")
+        sleeping = compose("validate", overrides=["idle_wait=sleep"])
+        other = compose("validate", overrides=["model=tiny-olmoe", "device=cpu", "clock=cpu",
+                                               "profile.wake.wait=sleep",
+                                               "profile.repeats=0"])  # fmt: skip
+        given = [compose("validate", overrides=["model=tiny-olmoe", f"profile.path={own}",
+                                                "device=cpu", "clock=cpu", *wait])
+                 for wait in ([], ["idle_wait=sleep"])]  # fmt: skip
+    assert default.idle_wait.value == "spin"
+    assert profile_settings_cfg(default)["wake"]["wait"] == "spin"
+    assert profile_settings_cfg(sleeping)["wake"]["wait"] == "sleep"
+    runner, info = load_model(other)
+    with pytest.raises(UserError, match="profile"):
+        ProfileSource(other, runner, info, tmp_path / "out", (1, 1, 1, 1))
+    assert (
+        "warning: profile.wake.wait=sleep: the profile's wake-up gaps are waited by "
+        "sleeping, these runs' by spinning (idle_wait=spin)"
+    ) in capsys.readouterr().err
+    warning = f"warning: profile.path={own} waited its wake-up gaps by sleeping, these runs spin"
+    ProfileSource(given[0], runner, info, tmp_path / "a", (1, 1, 1, 1))
+    assert warning in capsys.readouterr().err
+    ProfileSource(given[1], runner, info, tmp_path / "b", (1, 1, 1, 1))
+    assert "wake-up gaps" not in capsys.readouterr().err
+
+
 def test_the_profile_gets_fewer_passes_per_round_where_its_repeats_run_out(tmp_path, capsys):
     """profile.passes_per_round (3 by default) passes before the first round of replays and
     after each, a repeat of each shape in every pass: 18 repeats over 4 rounds give 3; 3 give
@@ -893,7 +930,8 @@ def test_a_machine_slower_in_a_light_loads_pattern_is_warned_about():
 
 def test_the_duty_cycle_check_times_bursts_against_back_to_back_steps(monkeypatch):
     """On a clock of its own: a step takes 1 ms, and 1.5 ms within 10 steps of a gap: the
-    check reads 1.5x (bursts against back-to-back steps); on the virtual clock, nothing."""
+    check reads 1.5x (bursts against back-to-back steps, the gaps spun or slept as the runs
+    wait theirs); on the virtual clock, nothing."""
     runner = ModelRunner(build_model("tiny-mixtral")[0])
     clock = {"now": 0.0, "since_gap": 10**6}
     monkeypatch.setattr(validate, "DUTY_SECONDS", 0.3)
@@ -907,9 +945,18 @@ def test_the_duty_cycle_check_times_bursts_against_back_to_back_steps(monkeypatc
 
     monkeypatch.setattr(runner, "run", timed)
     monkeypatch.setattr(validate.time, "process_time", lambda: clock["now"])
-    monkeypatch.setattr(validate.time, "sleep", lambda s: clock.update(since_gap=0))
+    waits = set()  # the gaps are waited as the runs wait theirs (idle_wait)
+
+    def wait_idle(seconds, wait):
+        clock.update(since_gap=0)
+        waits.add(wait)
+
+    monkeypatch.setattr(validate, "wait_idle", wait_idle)
     assert validate.duty_slowdown(runner, ClockKind.virtual, 0) is None
     assert validate.duty_slowdown(runner, ClockKind.cpu, 0) == pytest.approx(1.5)
+    assert waits == {"spin"}
+    assert validate.duty_slowdown(runner, ClockKind.cpu, 0, "sleep") == pytest.approx(1.5)
+    assert waits == {"spin", "sleep"}
 
 
 def test_the_summary_line_says_how_far_the_machine_drifted():
