@@ -30,17 +30,22 @@ WAKE_PROMPT_TOKENS = 64  # the prompt of each window's first iteration, a prefil
 # of ``Settings.decode_warmup``.
 DECODE_WARMUP = 3
 
-# How the engine, and the profile's wake-up windows, wait when there is nothing to run: spin
-# (poll the clock on the core) or sleep (give the core back to the OS). On this project's
-# shared 2-core VM an engine that sleeps through its idle gaps ran every light-load iteration
-# slower, not only the first ones after a gap: in two paired experiments (tiny-qwen3-moe,
-# 0.3 utilization, 4 replays each, the rounds alternately sleeping and spinning, 2026-12-05)
-# the sleeping runs' iterations took 1.056x and 1.105x their prediction on average, the
-# spinning runs' 0.995x and 0.982x, with 10.3% and 16.2% of iterations over 1.3x against
-# 3.4% and 2.3%; whatever else runs on the machine takes a sleeping engine's core and its
-# caches. The profile's wake-up windows wait as the engine does (``wait_idle``), so what
-# the simulator charges after a gap is what the engine pays after one.
-IDLE_WAITS = ("spin", "sleep")
+# How the engine, and the profile's wake-up windows, wait when there is nothing to run: sleep
+# (give the core back to the OS, as serving engines block on their queues; the default) or
+# spin (poll the clock on the core). On this project's shared 2-core VM an engine that sleeps
+# through its idle gaps ran every light-load iteration slower, not only the first ones after
+# a gap: in two paired experiments (tiny-qwen3-moe, 0.3 utilization, 4 replays each, the
+# rounds alternately sleeping and spinning, 2026-12-05) the sleeping runs' iterations took
+# 1.056x and 1.105x their prediction on average, the spinning runs' 0.995x and 0.982x, with
+# 10.3% and 16.2% of iterations over 1.3x against 3.4% and 2.3%: whatever else runs on the
+# machine takes a sleeping engine's core and its caches. Spinning is no cure: steps right after
+# a 1.26 s spin ran 3% faster than after a sleep or none (medians, tiny-mixtral), and in two
+# whole validations with everything spun, the runs' iterations took 0.83-0.99x their
+# prediction at every load on four of the five presets (docs/validation-log.md, "Sleeping
+# through the idle gaps"). The profile's wake-up
+# windows wait as the engine does (``wait_idle``), so what the simulator charges after a gap
+# is what the engine pays after one.
+IDLE_WAITS = ("sleep", "spin")
 
 
 def wait_idle(seconds: float, wait: str) -> None:
@@ -76,7 +81,7 @@ class Settings:
     # the prompt of each wake-up window's first iteration, a prefill (``wake_points``)
     wake_prompt_tokens: int = WAKE_PROMPT_TOKENS
     # how each window's gap is waited (IDLE_WAITS): as the engine the profile is for waits
-    wake_wait: str = "spin"
+    wake_wait: str = "sleep"
     chunk_kv: tuple[int, ...] = ()  # cached prefixes under each chunk; empty: no attn_chunk
     # batched prefills of about this many tokens (``prefill_batches``); empty: none
     prefill_batch_tokens: tuple[int, ...] = ()
@@ -142,7 +147,7 @@ class Settings:
             out.wake_prompt_tokens = setting_int(
                 "wake.prompt_tokens", wake.get("prompt_tokens", WAKE_PROMPT_TOKENS), 1
             )
-            out.wake_wait = str(wake.get("wait") or "spin")
+            out.wake_wait = str(wake.get("wait") or "sleep")
         out.validate()
         return out
 

@@ -4,8 +4,8 @@ runs on a shared CPU, a virtual clock for tests.
 Both count seconds from ``start()``. The engine reads ``now()`` at every stage boundary, calls
 ``tick()`` after every stage it executes and ``sleep_until()`` when it has nothing to run, and
 ``exclude(s)`` after work that is not the run's (the host-speed probe): the clock then reads
-as if those seconds had not passed. An idle wait spins or sleeps (``idle_wait``:
-``profiler.settings.IDLE_WAITS``; the config's ``idle_wait``, spin by default: an engine
+as if those seconds had not passed. An idle wait sleeps or spins (``idle_wait``:
+``profiler.settings.IDLE_WAITS``; the config's ``idle_wait``, sleep by default: an engine
 that sleeps gives its core, and its caches, to whatever else runs on the machine).
 """
 
@@ -23,9 +23,9 @@ def _checked(idle_wait: str) -> str:
 
 
 class WallClock:
-    """Real time: arrivals are replayed as they would happen, idle waits spin or sleep."""
+    """Real time: arrivals are replayed as they would happen, idle waits sleep or spin."""
 
-    def __init__(self, idle_wait: str = "spin") -> None:
+    def __init__(self, idle_wait: str = "sleep") -> None:
         self.t0 = time.perf_counter()
         self.idle_wait = _checked(idle_wait)
 
@@ -52,13 +52,13 @@ class CpuClock:
 
     On a machine shared with other processes, wall time counts the time they take the core
     away; CPU time counts what the engine itself did (with one torch thread, the wall time the
-    work takes on a core of its own). Idle waits still take their wall time (spun or slept, as
+    work takes on a core of its own). Idle waits still take their wall time (slept or spun, as
     ``idle_wait`` says), so that whatever slows down when idle (clocks, caches) does so here
     too; the clock then jumps to the arrival, whatever CPU time the wait took. CPU only: a
     GPU's work is not this process's CPU time.
     """
 
-    def __init__(self, idle_wait: str = "spin") -> None:
+    def __init__(self, idle_wait: str = "sleep") -> None:
         self.t0 = time.process_time()  # now() = CPU time since t0 + the idle waits
         self.waited = 0.0
         self.idle_wait = _checked(idle_wait)

@@ -26,8 +26,8 @@ class ClockKind(enum.Enum):
 class IdleWait(enum.Enum):
     """How the engine waits when it has nothing to run (``profiler.settings.IDLE_WAITS``)."""
 
-    spin = "spin"  # polls the clock on its core, as a dedicated server's engine loop can
     sleep = "sleep"  # gives the core back to the OS (and to whatever else runs on it)
+    spin = "spin"  # polls the clock on its core
 
 
 class TraceLevel(enum.Enum):
@@ -56,9 +56,9 @@ class EngineConfig:
     max_prompt_tokens: int = 512  # prompts are cut to this many tokens
     seed: int = 0
     warmup: bool = True  # run a few iterations before the clock starts
-    # how idle gaps are waited: spin, or sleep (on a shared machine a sleeping engine ran
+    # how idle gaps are waited: sleep, or spin (on a shared machine a sleeping engine ran
     # every light-load iteration 5-10% slower: profiler.settings.IDLE_WAITS)
-    idle_wait: IdleWait = IdleWait.spin
+    idle_wait: IdleWait = IdleWait.sleep
 
 
 @dataclass

@@ -99,8 +99,8 @@ def footprint_bytes(requests: list[Request], batch_size: int, kv_bytes_per_token
     return (sum(lengths) + 2 * batch_size * max(lengths)) * kv_bytes_per_token
 
 
-def make_clock(kind: ClockKind, virtual_stage_ms: float = 1.0, idle_wait: str = "spin"):
-    """The run's clock; ``idle_wait`` (spin | sleep): how a real clock waits for an arrival."""
+def make_clock(kind: ClockKind, virtual_stage_ms: float = 1.0, idle_wait: str = "sleep"):
+    """The run's clock; ``idle_wait`` (sleep | spin): how a real clock waits for an arrival."""
     if kind is ClockKind.virtual:
         return VirtualClock(virtual_stage_ms / 1e3)
     return CpuClock(idle_wait) if kind is ClockKind.cpu else WallClock(idle_wait)
@@ -169,7 +169,7 @@ def realrun(cfg: Any) -> RealOutput:
     clock = make_clock(
         ClockKind(cfg.clock),
         cfg.get("virtual_stage_ms", 1.0),
-        IdleWait(cfg.get("idle_wait", "spin")).value,
+        IdleWait(cfg.get("idle_wait", "sleep")).value,
     )
     out = execute(requests, prompts, scheduler, runner, cfg.slo, clock, trace, cfg.progress)
     # what ran, where the config says auto or null (summary.json's config keeps what was asked:

@@ -143,8 +143,8 @@ def passes_per_round(cfg: DictConfig) -> tuple[int, int]:
 
 
 def idle_wait(cfg: DictConfig) -> str:
-    """How the runs wait when idle (``idle_wait``: spin | sleep)."""
-    return IdleWait(cfg.get("idle_wait", "spin")).value
+    """How the runs wait when idle (``idle_wait``: sleep | spin)."""
+    return IdleWait(cfg.get("idle_wait", "sleep")).value
 
 
 WAITING = {"spin": "spinning", "sleep": "sleeping"}
@@ -913,7 +913,7 @@ DUTY_STEPS, DUTY_GAP_S, DUTY_SECONDS, DUTY_CYCLES = 10, 0.1, 2.0, 2
 DUTY_WARNING = 1.10
 
 
-def duty_slowdown(runner, clock: ClockKind, seed: int, idle_wait: str = "spin") -> float | None:
+def duty_slowdown(runner, clock: ClockKind, seed: int, idle_wait: str = "sleep") -> float | None:
     """How many times slower decode steps run in bursts of DUTY_STEPS, DUTY_GAP_S apart (the
     gaps waited as the runs wait them: ``idle_wait``), than back to back (medians, on the
     runs' clock; None on the virtual clock): what a low duty cycle costs on this machine

@@ -1191,19 +1191,20 @@ def test_settings_refuse_no_passes_read_a_null_wake_as_off_and_warn_of_batches_n
 
 
 def test_the_wake_up_gaps_are_waited_as_the_engine_waits(monkeypatch):
-    """wake.wait (spin by default, as the engine's idle_wait) is how each wake-up gap is
+    """wake.wait (sleep by default, as the engine's idle_wait) is how each wake-up gap is
     waited, and is recorded in the profile's settings; a sleeping engine ran light-load
-    iterations 5-10% slower on this VM, so a profile whose gaps slept charges another
-    engine's wake-up. spin holds the core (its CPU time), sleep gives it back."""
+    iterations 5-10% slower on this VM than a spinning one, so a profile whose gaps were
+    waited otherwise charges another engine's wake-up. spin holds the core (its CPU time),
+    sleep gives it back."""
     from omegaconf import OmegaConf
 
     from profiler import settings as settings_module
 
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "profiler.yaml")
-    assert Settings.from_config(cfg).wake_wait == "spin"
-    assert Settings.from_config(OmegaConf.merge(cfg, {"wake": {"wait": "sleep"}})).wake_wait \
-        == "sleep"  # fmt: skip
-    with pytest.raises(measure.SettingsError, match="^wake.wait=nap: expected one of spin, sl"):
+    assert Settings.from_config(cfg).wake_wait == "sleep"
+    assert Settings.from_config(OmegaConf.merge(cfg, {"wake": {"wait": "spin"}})).wake_wait \
+        == "spin"  # fmt: skip
+    with pytest.raises(measure.SettingsError, match="^wake.wait=nap: expected one of sleep, s"):
         Settings.from_config(OmegaConf.merge(cfg, {"wake": {"wait": "nap"}}))
     for wait, held in (("spin", True), ("sleep", False)):
         cpu, wall = time.process_time(), time.perf_counter()

@@ -738,25 +738,26 @@ def test_a_profile_clock_other_than_the_runs_is_warned_of(tmp_path, capsys):
 
 def test_the_profile_waits_its_wake_up_gaps_as_the_runs_wait_or_is_warned_of(tmp_path, capsys):
     """The profile's wake-up gaps are waited as the runs' idle gaps (profile.wake.wait null:
-    idle_wait, spin by default); another wait given, or a profile.path whose gaps slept (every
-    profile before 2026-12-05: no wake_wait in its settings), is warned of: a sleeping engine
-    ran light-load iterations 5-10% slower on this VM, so its wake-up is another engine's."""
+    idle_wait, sleep by default); another wait given, or a profile.path whose gaps were waited
+    otherwise (every profile before 2026-12-05 slept: no wake_wait in its settings), is warned
+    of: a sleeping engine ran light-load iterations 5-10% slower on this VM than a spinning
+    one, so such a profile's wake-up is another engine's."""
     from realrun.run import load_model
     from realrun.validate import ProfileSource, profile_settings_cfg
 
     own = ROOT / "results" / "validation" / "tiny-olmoe-cpu" / "profile"
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         default = compose("validate")
-        sleeping = compose("validate", overrides=["idle_wait=sleep"])
+        spinning = compose("validate", overrides=["idle_wait=spin"])
         other = compose("validate", overrides=["model=tiny-olmoe", "device=cpu", "clock=cpu",
-                                               "profile.wake.wait=sleep",
+                                               "idle_wait=spin", "profile.wake.wait=sleep",
                                                "profile.repeats=0"])  # fmt: skip
         given = [compose("validate", overrides=["model=tiny-olmoe", f"profile.path={own}",
                                                 "device=cpu", "clock=cpu", *wait])
-                 for wait in ([], ["idle_wait=sleep"])]  # fmt: skip
-    assert default.idle_wait.value == "spin"
-    assert profile_settings_cfg(default)["wake"]["wait"] == "spin"
-    assert profile_settings_cfg(sleeping)["wake"]["wait"] == "sleep"
+                 for wait in (["idle_wait=spin"], [])]  # fmt: skip
+    assert default.idle_wait.value == "sleep"
+    assert profile_settings_cfg(default)["wake"]["wait"] == "sleep"
+    assert profile_settings_cfg(spinning)["wake"]["wait"] == "spin"
     runner, info = load_model(other)
     with pytest.raises(UserError, match="profile"):
         ProfileSource(other, runner, info, tmp_path / "out", (1, 1, 1, 1))
@@ -954,8 +955,8 @@ def test_the_duty_cycle_check_times_bursts_against_back_to_back_steps(monkeypatc
     monkeypatch.setattr(validate, "wait_idle", wait_idle)
     assert validate.duty_slowdown(runner, ClockKind.virtual, 0) is None
     assert validate.duty_slowdown(runner, ClockKind.cpu, 0) == pytest.approx(1.5)
-    assert waits == {"spin"}
-    assert validate.duty_slowdown(runner, ClockKind.cpu, 0, "sleep") == pytest.approx(1.5)
+    assert waits == {"sleep"}
+    assert validate.duty_slowdown(runner, ClockKind.cpu, 0, "spin") == pytest.approx(1.5)
     assert waits == {"spin", "sleep"}
 
 
