@@ -720,20 +720,25 @@ def test_a_profile_clock_other_than_the_runs_is_warned_of(tmp_path, capsys):
     """profile.clock=wall with clock=cpu: the profile and the runs on two clocks, as with a
     profile.path timed on another (warned of there too). The profile's settings are made to
     fail right after, so that no pass runs."""
+    assert (
+        "warning: profile.clock=wall: the profile is timed on the wall clock, these runs "
+        "on the process clock (clock=cpu)"
+    ) in warned_before_profiling(tmp_path, capsys, "profile.clock=wall")
+
+
+def warned_before_profiling(tmp_path, capsys, *overrides: str) -> str:
+    """What ProfileSource printed to stderr for tiny-olmoe on the CPU clock with ``overrides``,
+    its settings made to fail right after the checks (profile.repeats=0: no pass runs)."""
     from realrun.run import load_model
     from realrun.validate import ProfileSource
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("validate", overrides=["model=tiny-olmoe", "device=cpu", "clock=cpu",
-                                             "profile.clock=wall",
-                                             "profile.repeats=0"])  # fmt: skip
+                                             *overrides, "profile.repeats=0"])  # fmt: skip
     runner, info = load_model(cfg)
     with pytest.raises(UserError, match="profile"):
         ProfileSource(cfg, runner, info, tmp_path / "out", (1, 1, 1, 1))
-    assert (
-        "warning: profile.clock=wall: the profile is timed on the wall clock, these runs "
-        "on the process clock (clock=cpu)"
-    ) in capsys.readouterr().err
+    return capsys.readouterr().err
 
 
 def test_the_profile_waits_its_wake_up_gaps_as_the_runs_wait_or_is_warned_of(tmp_path, capsys):
@@ -749,22 +754,17 @@ def test_the_profile_waits_its_wake_up_gaps_as_the_runs_wait_or_is_warned_of(tmp
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         default = compose("validate")
         spinning = compose("validate", overrides=["idle_wait=spin"])
-        other = compose("validate", overrides=["model=tiny-olmoe", "device=cpu", "clock=cpu",
-                                               "idle_wait=spin", "profile.wake.wait=sleep",
-                                               "profile.repeats=0"])  # fmt: skip
         given = [compose("validate", overrides=["model=tiny-olmoe", f"profile.path={own}",
                                                 "device=cpu", "clock=cpu", *wait])
                  for wait in (["idle_wait=spin"], [])]  # fmt: skip
     assert default.idle_wait.value == "sleep"
     assert profile_settings_cfg(default)["wake"]["wait"] == "sleep"
     assert profile_settings_cfg(spinning)["wake"]["wait"] == "spin"
-    runner, info = load_model(other)
-    with pytest.raises(UserError, match="profile"):
-        ProfileSource(other, runner, info, tmp_path / "out", (1, 1, 1, 1))
     assert (
         "warning: profile.wake.wait=sleep: the profile's wake-up gaps are waited by "
         "sleeping, these runs' by spinning (idle_wait=spin)"
-    ) in capsys.readouterr().err
+    ) in warned_before_profiling(tmp_path, capsys, "idle_wait=spin", "profile.wake.wait=sleep")
+    runner, info = load_model(given[0])
     warning = f"warning: profile.path={own} waited its wake-up gaps by sleeping, these runs spin"
     ProfileSource(given[0], runner, info, tmp_path / "a", (1, 1, 1, 1))
     assert warning in capsys.readouterr().err
