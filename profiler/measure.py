@@ -69,7 +69,7 @@ than inside an iteration, where the rest of the model streamed through the cache
   rewound and fed a new random token, then a prefill of another such prompt) run back to
   back untimed (so that the last sample's slow-down is over
   and the device is busy when the gap starts), then the device left idle that long (waited
-  as ``wake.wait`` says: spin or sleep, as the engine the profile is for waits;
+  as ``wake.wait`` says: sleep or spin, as the engine the profile is for waits;
   ``profiler.settings.IDLE_WAITS``), then
   such a window again, each iteration timed. A step's excess is its time over the median of
   the window's second half, by then warm, and the first prefill's its time over the last

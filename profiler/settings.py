@@ -42,9 +42,8 @@ DECODE_WARMUP = 3
 # a 1.26 s spin ran 3% faster than after a sleep or none (medians, tiny-mixtral), and in two
 # whole validations with everything spun, the runs' iterations took 0.83-0.99x their
 # prediction at every load on four of the five presets (docs/validation-log.md, "Sleeping
-# through the idle gaps"). The profile's wake-up
-# windows wait as the engine does (``wait_idle``), so what the simulator charges after a gap
-# is what the engine pays after one.
+# through the idle gaps"). The profile's wake-up windows wait as the engine does
+# (``wait_idle``), so what the simulator charges after a gap is what the engine pays after one.
 IDLE_WAITS = ("sleep", "spin")
 
 
