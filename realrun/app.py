@@ -16,7 +16,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from realrun.config import ClockKind, RealrunConfig, validate_realrun
+from realrun.config import ClockKind, IdleWait, RealrunConfig, validate_realrun
 from realrun.validate import PAGE_FAULT_WARNING
 from sim.app import config_notes, few_samples, job_config, overload
 from sim.cli import CONF_DIR, App, discard_unfinished, fail, job, run
@@ -39,6 +39,9 @@ def check(cfg: DictConfig) -> None:
     if ClockKind(cfg.clock) is not ClockKind.virtual and cfg.virtual_stage_ms != default_ms:
         ignored.append(f"virtual_stage_ms={cfg.virtual_stage_ms:g} is ignored without "
                        "clock=virtual")  # fmt: skip
+    if ClockKind(cfg.clock) is ClockKind.virtual and IdleWait(cfg.idle_wait) is not IdleWait.sleep:
+        ignored.append(f"idle_wait={IdleWait(cfg.idle_wait).value} is ignored with clock=virtual "
+                       "(it skips idle time)")  # fmt: skip
     config_notes(cfg, ignored)
     build_policy(cfg.policy)
 

@@ -264,7 +264,8 @@ def test_exact_tokens_on_cuda():
 def test_keys_nothing_reads_are_warned_of_as_qllm_sim_does(tmp_path):
     """qllm-realrun took memory.block_size_tokens without paged memory, workload.cv without
     gamma arrivals and virtual_stage_ms on the wall clock without a word, and summary.json's
-    config recorded them as applied; the p99 of a class of few requests went unflagged."""
+    config recorded them as applied; the p99 of a class of few requests went unflagged. The
+    virtual clock skips idle time, so idle_wait=spin does nothing there."""
     done = run_cli(tmp_path, "workload=synthetic", "workload.num_requests=3", "workload.rate=50",
                    "workload.prompt.tokens=12", "workload.output.tokens=3", "clock=virtual",
                    "memory.block_size_tokens=64", "workload.cv=3")  # fmt: skip
@@ -274,6 +275,14 @@ def test_keys_nothing_reads_are_warned_of_as_qllm_sim_does(tmp_path):
     )
     assert "warning: workload.cv=3.0 is ignored without workload.arrival=gamma" in done.stderr
     assert "requests in this run: its p99 rests on fewer than 100 samples" in done.stderr
+    assert "idle_wait" not in done.stderr  # the default: nothing to say
+    done = run_cli(tmp_path / "spin", "workload=synthetic", "workload.num_requests=2",
+                   "workload.rate=50", "workload.prompt.tokens=12", "workload.output.tokens=2",
+                   "clock=virtual", "idle_wait=spin")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "warning: idle_wait=spin is ignored with clock=virtual (it skips idle time)" in (
+        done.stderr
+    )
     done = run_cli(tmp_path / "wall", "workload=synthetic", "workload.num_requests=2",
                    "workload.rate=50", "workload.prompt.tokens=12", "workload.output.tokens=2",
                    "virtual_stage_ms=50")  # fmt: skip
