@@ -57,7 +57,7 @@ class EngineConfig:
     seed: int = 0
     warmup: bool = True  # run a few iterations before the clock starts
     # how idle gaps are waited: sleep, or spin (on a shared machine a sleeping engine ran
-    # every light-load iteration 5-10% slower: profiler.settings.IDLE_WAITS)
+    # every light-load iteration 6-13% slower: profiler.settings.IDLE_WAITS)
     idle_wait: IdleWait = IdleWait.sleep
 
 

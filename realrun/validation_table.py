@@ -1,8 +1,8 @@
 """``python -m realrun.validation_table DIR``: one markdown table over every validation under DIR
 (``<DIR>/<model>-<device>/validation.json``, as ``make validate`` writes them): per model (and
 workload, where it is not the default synthetic one) and load level, the clock the real runs
-were timed on (wall, or cpu: ``clock=cpu``) and how their engine waited when idle (spin, or
-sleep: ``idle_wait``; every run before 2026-12-05 slept), the worst and median per-class mean
+were timed on (wall, or cpu: ``clock=cpu``) and how their engine waited when idle (sleep, or
+spin: ``idle_wait``; every run before 2026-12-05 slept), the worst and median per-class mean
 error, how many are within 10%, the throughput error, the real engine's own spread (the
 replays' worst CV), the host-normalized comparison (how many per-class means are within 10%
 once the profile is scaled by the host's speed during each real run as the probe between its

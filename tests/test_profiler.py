@@ -1193,7 +1193,7 @@ def test_settings_refuse_no_passes_read_a_null_wake_as_off_and_warn_of_batches_n
 def test_the_wake_up_gaps_are_waited_as_the_engine_waits(monkeypatch):
     """wake.wait (sleep by default, as the engine's idle_wait) is how each wake-up gap is
     waited, and is recorded in the profile's settings; a sleeping engine ran light-load
-    iterations 5-10% slower on this VM than a spinning one, so a profile whose gaps were
+    iterations 6-13% slower on this VM than a spinning one, so a profile whose gaps were
     waited otherwise charges another engine's wake-up. spin holds the core (its CPU time),
     sleep gives it back."""
     from omegaconf import OmegaConf

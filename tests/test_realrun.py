@@ -125,7 +125,7 @@ def test_each_segment_counts_the_page_faults_taken_while_it_ran(f64):
 def test_idle_waits_sleep_or_spin_as_idle_wait_says(wait):
     """idle_wait=sleep (the default) gives the core back while the engine waits for an
     arrival; spin holds it, polling the clock (a sleeping engine's core and caches went to
-    other work on this VM, and its light-load iterations ran 5-10% slower). Either way the
+    other work on this VM, and its light-load iterations ran 6-13% slower). Either way the
     run lands on the arrival."""
     model, _ = build_model("tiny-mixtral")
     runner = ModelRunner(model)

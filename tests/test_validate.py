@@ -745,7 +745,7 @@ def test_the_profile_waits_its_wake_up_gaps_as_the_runs_wait_or_is_warned_of(tmp
     """The profile's wake-up gaps are waited as the runs' idle gaps (profile.wake.wait null:
     idle_wait, sleep by default); another wait given, or a profile.path whose gaps were waited
     otherwise (every profile before 2026-12-05 slept: no wake_wait in its settings), is warned
-    of: a sleeping engine ran light-load iterations 5-10% slower on this VM than a spinning
+    of: a sleeping engine ran light-load iterations 6-13% slower on this VM than a spinning
     one, so such a profile's wake-up is another engine's."""
     from realrun.run import load_model
     from realrun.validate import ProfileSource, profile_settings_cfg
