@@ -18,12 +18,17 @@ than inside an iteration, where the rest of the model streamed through the cache
   stages where they run: the clock is read around each prompt's self-attention call
   (``ModelRunner.call_clock``). What the stage spends outside the calls (the previous layer's
   combine, the input norm, joining the calls' outputs, the residual: once per iteration, over
-  all N tokens) gives ``attn_prefill_outer(N)`` (single prompts give it too), and the mean of
-  the calls after the first (each from the end of the one before) ``attn_prefill_next(n)``:
-  a later prompt runs on weights the first call left warm. On tiny-mixtral (one thread) a
-  later prompt of 32 tokens added 0.27 ms a layer against the first's 0.29 ms (its stage 0.38
-  ms, 0.09 of it outside the calls), and 8 prompts of 32 tokens took 9.7 ms of attention
-  where the sum of single prompts said 12.4 (the split, 9.4);
+  all N tokens) gives ``attn_prefill_outer(N)`` (single prompts give it too), the first call
+  ``attn_prefill_first(n)``, and the mean of the calls after the first (each from the end of
+  the one before) ``attn_prefill_next(n)``: a later prompt runs on weights the first call left
+  warm. On tiny-mixtral (one thread) a later prompt of 32 tokens added 0.27 ms a layer against
+  the first's 0.29 ms (its stage 0.38 ms, 0.09 of it outside the calls), and 8 prompts of 32
+  tokens took 9.7 ms of attention where the sum of single prompts said 12.4 (the split, 9.4).
+  The first call of several is not a single prompt's call: summed over the layers it ran
+  0.06-0.17 ms (3-9%) longer than the call of one prompt of its length alone at 16-48
+  tokens, 0-0.08 ms at 96, on tiny-qwen3-moe, tiny-mixtral and tiny-olmoe (2026-12-05, 40
+  rounds in random order); charged a single prompt's call, as up to then, a prefill of two or
+  more prompts came out short by about that much;
 - decode iterations of B sequences with kv cached tokens each (``grid.decode_batch`` x
   ``grid.decode_kv``, distinct random prompts) give ``attn_decode(B, kv)``, ``router(B)``,
   ``lm_head(B)`` and ``step_overhead(B)``: the iteration's mean time minus the medians of its
@@ -225,7 +230,8 @@ def wake_curve(idle_ms: int, times_ms: np.ndarray,
 KV_MEMORY_SHARE = 0.9
 
 
-SPLIT_OPS = ("attn_prefill_outer", "attn_prefill_next")  # a prefill's attention, split
+# a prefill's attention, split
+SPLIT_OPS = ("attn_prefill_outer", "attn_prefill_first", "attn_prefill_next")
 # A prefill shape of n tokens a prompt is timed at n - n // PREFILL_JITTER and n +
 # n // PREFILL_JITTER tokens a prompt, alternately, on new sequences every iteration
 # (``Profiler.prefill``): a run's prefills write new caches, and no two in a row have the same
@@ -539,11 +545,12 @@ class Profiler:
             ops["prepare"] = ("prepare_prefill", 0, grid, 0)
         if batch or prompts == 1:  # a prefill batch's attention stage runs every prompt's
             ops["attention"] = attention
-        # a prefill's attention stage, split (attn_prefill_outer, attn_prefill_next)
+        # a prefill's attention stage, split (attn_prefill_outer, attn_prefill_first, _next)
         outer = ("attn_prefill_outer", 0, grid, 0)
+        first_call = ("attn_prefill_first", 0, grid // prompts, 0)
         after_first = ("attn_prefill_next", 0, grid // prompts, 0)
         if jitter:  # whole-iteration ops are off by every prompt's offset, a call by one's
-            offsets = {after_first: jitter}
+            offsets = {first_call: jitter, after_first: jitter}
             samples = _Jittered(self.jittered, lambda key: offsets.get(key, jitter * prompts))
         else:
             samples = self.samples
@@ -571,6 +578,7 @@ class Profiler:
                 if st.calls:  # a prefill's attention stage, its prompts' calls timed
                     samples[outer].append(st.ms - sum(st.calls))
                     if len(st.calls) > 1:
+                        samples[first_call].append(st.calls[0])
                         samples[after_first].append(float(np.mean(st.calls[1:])))
             expert_ms.append(experts)
             if routers:
@@ -909,8 +917,9 @@ class Profiler:
         pts, unit = [], self.unit_ms
         for (op, batch, tokens, kv), times in sorted(samples.items()):
             if op in SPLIT_OPS and not self.settings.prefill_pairs:
-                # without the pairs, attn_prefill_next has only the longest prompt's point
-                # (from batched prefills), which a curve would hold for every length, and
+                # without the pairs, attn_prefill_first and _next have only the longest
+                # prompt's point (from batched prefills), which a curve would hold for every
+                # length, and
                 # none at all without them: no split (per_prompt sums attn_prefill)
                 continue
             med, p90 = summarize(times)

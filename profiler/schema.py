@@ -130,6 +130,14 @@ op                        key columns (others are 0)     what was timed
                                                          the input norm, joining the calls'
                                                          outputs, the residual): it runs once
                                                          per iteration, not per prompt
+``attn_prefill_first``    num_tokens                     optional: the first
+                                                         self-attention call of a prefill of
+                                                         several prompts, for a first prompt
+                                                         of num_tokens (slicing included):
+                                                         it runs longer than one prompt's
+                                                         call alone (``attn_prefill`` -
+                                                         ``attn_prefill_outer``). Needs both
+                                                         split ops below
 ``attn_prefill_next``     num_tokens                     optional: what a prompt of
                                                          num_tokens adds to a prefill's
                                                          attention stage when it is not the
@@ -139,10 +147,12 @@ op                        key columns (others are 0)     what was timed
                                                          the first call left warm. With
                                                          ``attn_prefill_outer``: a per-prompt
                                                          batch of prompts n_1..n_k, N tokens,
-                                                         costs attn_prefill(n_1) -
-                                                         outer(n_1) + next(n_2) + ... +
-                                                         next(n_k) + outer(N); absent: the
-                                                         sum of attn_prefill(n_i)
+                                                         costs first(n_1) + next(n_2) + ... +
+                                                         next(n_k) + outer(N) (a profile
+                                                         without ``attn_prefill_first``:
+                                                         attn_prefill(n_1) - outer(n_1) for
+                                                         the first); absent: the sum of
+                                                         attn_prefill(n_i)
 ``attn_prefill_batch``    batch_size, num_tokens         optional: a prefill batch of
                                                          batch_size prompts, num_tokens in
                                                          all, through a layer's norm +
@@ -192,6 +202,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "step_overhead": ("batch_size",),
     "attn_prefill_batch": ("batch_size", "num_tokens"),
     "attn_prefill_outer": ("num_tokens",),
+    "attn_prefill_first": ("num_tokens",),
     "attn_prefill_next": ("num_tokens",),
     "attn_chunk": ("num_tokens", "kv_tokens"),
     "preempt_switch": ("num_tokens",),
@@ -208,6 +219,7 @@ OPTIONAL_OPS = frozenset(
         "attn_decode_bind",
         "attn_prefill_batch",
         "attn_prefill_outer",
+        "attn_prefill_first",
         "attn_prefill_next",
         "attn_chunk",
         "preempt_switch",
@@ -430,6 +442,11 @@ class Profile:
         if len(split) == 1:  # the latency model would silently ignore the one given
             raise ProfileError(
                 f"{where}: {split.pop()} needs both attn_prefill_outer and attn_prefill_next "
+                "(a prefill's attention stage, split)"
+            )
+        if self.op_points("attn_prefill_first") and not split:  # else silently ignored
+            raise ProfileError(
+                f"{where}: attn_prefill_first needs attn_prefill_outer and attn_prefill_next "
                 "(a prefill's attention stage, split)"
             )
         stage_ops = set(PREFILL_STAGE_OPS) & {p.op for p in self.points}

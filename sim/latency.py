@@ -670,6 +670,11 @@ class LatencyModel:
         )
         self.attn_prefill_outer = Curve1D(outer, "num_tokens") if outer and later else None
         self.attn_prefill_next = Curve1D(later, "num_tokens") if outer and later else None
+        # and the first prompt's call (None: a profile before it, charged a single prompt's)
+        first = profile.op_points("attn_prefill_first")
+        self.attn_prefill_first = (
+            Curve1D(first, "num_tokens") if first and self.attn_prefill_next is not None else None
+        )
         self.prefill_batched = self.prefill_attention == "batched"
         chunk_points = profile.op_points("attn_chunk")
         self.attn_chunk = (Curve2D(chunk_points, "num_tokens", row_key="kv_tokens")
@@ -690,7 +695,7 @@ class LatencyModel:
         curves = [self.attn_prefill, self.attn_decode, self.attn_decode_bind, self.router]
         curves += [self.expert, self.lm_head]
         curves += [self.overhead, self.attn_prefill_batch, self.attn_chunk, self.switch]
-        curves += [self.attn_prefill_outer, self.attn_prefill_next]
+        curves += [self.attn_prefill_outer, self.attn_prefill_first, self.attn_prefill_next]
         curves += [self.prepare_decode, self.prepare_prefill, self.lm_head_prefill]
         return [c for c in curves if c is not None]
 
@@ -736,12 +741,16 @@ class LatencyModel:
 
     def prefill_attention_split(self, batch: Batch) -> float:
         """A per-prompt prefill of several prompts as the runner runs it: the first prompt's
-        stage (``attn_prefill``) without its once-per-iteration part, what each later prompt
-        adds (``attn_prefill_next``: its call on weights the first left warm), and the
+        call (``attn_prefill_first``; a profile without it: the first prompt's stage,
+        ``attn_prefill``, without its once-per-iteration part), what each later prompt adds
+        (``attn_prefill_next``: its call on weights the first left warm), and the
         once-per-iteration part over all the batch's tokens (``attn_prefill_outer``)."""
         first, *later = batch.sequences
         outer = self.attn_prefill_outer
-        t = self.attn_prefill.scalar(first.new_tokens) - outer.scalar(first.new_tokens)
+        if self.attn_prefill_first is not None:
+            t = self.attn_prefill_first.scalar(first.new_tokens)
+        else:
+            t = self.attn_prefill.scalar(first.new_tokens) - outer.scalar(first.new_tokens)
         t += sum(self.attn_prefill_next.scalar(s.new_tokens) for s in later)
         return t + outer.scalar(batch.new_tokens)
 

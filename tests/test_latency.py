@@ -143,6 +143,24 @@ def test_a_split_prefill_pays_the_once_per_iteration_part_once_and_later_prompts
     assert LatencyModel(batched).plan(three).attention_s == pytest.approx(1.6e-3)
 
 
+def test_a_split_prefill_charges_its_first_prompt_the_first_call_of_a_batch():
+    """attn_prefill_first(n) = 0.95 ms + 1 us per token, where one prompt's call alone
+    (attn_prefill - outer) is 1 - 0.2 = 0.8 ms at 100 tokens: prompts of 100, 200 and 300
+    tokens cost first(100) = 1.05 ms, the later ones' calls (0.9 + 1.1 ms) and the outer
+    part over 600 tokens (0.7 ms); one prompt still costs its attn_prefill."""
+    first = [OpPoint("attn_prefill_first", num_tokens=n, median_ms=0.95 + n / 1000)
+             for n in (1, 4096)]  # fmt: skip
+    profile = with_points(linear_profile(), *split_attention_points(), *first)
+    model = LatencyModel(profile)
+    three = prefill(100, 200, 300)
+    assert model.plan(three).attention_s == pytest.approx((1.05 + 0.9 + 1.1 + 0.7) / 1e3)
+    assert model.plan(prefill(300)).attention_s == pytest.approx(1.0e-3)
+    # the same prompts in another order: the first is 300 tokens long
+    assert model.plan(prefill(300, 100, 200)).attention_s == pytest.approx(
+        (1.25 + 0.7 + 0.9 + 0.7) / 1e3
+    )
+
+
 def test_half_a_split_is_refused():
     """One of the two ops alone would be ignored by the latency model: not silently."""
     outer, later = split_attention_points()[:2], split_attention_points()[2:]
@@ -151,6 +169,10 @@ def test_half_a_split_is_refused():
             ProfileError, match="needs both attn_prefill_outer and attn_prefill_next"
         ):
             with_points(linear_profile(), *points)
+    # the first call without the split would be ignored as well
+    first = OpPoint("attn_prefill_first", num_tokens=1, median_ms=1.0)
+    with pytest.raises(ProfileError, match="attn_prefill_first needs attn_prefill_outer"):
+        with_points(linear_profile(), first)
 
 
 def prefill_stage_points() -> list[OpPoint]:

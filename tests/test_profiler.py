@@ -63,6 +63,7 @@ def test_every_tiny_model_profiles_on_the_cpu(tmp_path, model):
         "attn_chunk",
         "attn_decode_bind",
         "attn_prefill_outer",
+        "attn_prefill_first",
         "attn_prefill_next",
         "prepare_decode",
         "prepare_prefill",
@@ -82,10 +83,12 @@ def test_every_tiny_model_profiles_on_the_cpu(tmp_path, model):
     assert shapes == {("prefill", 1, 4, 0), ("prefill", 1, 16, 0), ("prefill", 2, 8, 0),
                       ("prefill", 2, 32, 0), ("decode", 1, 1, 8), ("decode", 3, 3, 8)}  # fmt: skip
     # the batched prefill and the pair of 16: the router at their 32 tokens; their attention
-    # stage split: the part outside the calls over all 32 tokens, the second prompt's call
+    # stage split: the part outside the calls over all 32 tokens, the first prompt's call and
+    # the second's
     assert 32 in {p.num_tokens for p in loaded.op_points("router")}
     assert 32 not in {p.num_tokens for p in loaded.op_points("attn_prefill")}
     assert {p.num_tokens for p in loaded.op_points("attn_prefill_outer")} == {4, 8, 16, 32}
+    assert {p.num_tokens for p in loaded.op_points("attn_prefill_first")} == {4, 16}
     assert {p.num_tokens for p in loaded.op_points("attn_prefill_next")} == {4, 16}
     assert all(math.isfinite(r["error_pct"]) for r in check["shapes"])
 
@@ -197,7 +200,11 @@ def test_profiler_runs_on_cuda(tmp_path):
         "attn_chunk",
         "attn_decode_bind",
         "attn_prefill_outer",
+        "attn_prefill_first",
         "attn_prefill_next",
+        "prepare_decode",
+        "prepare_prefill",
+        "lm_head_prefill",
     }
     assert loaded.dtype == "bfloat16" and loaded.extra["device_type"] == "cuda"
     shutil.rmtree(directory)
@@ -451,6 +458,31 @@ def test_a_slow_stretch_of_the_machine_hits_a_few_samples_of_a_shape(passes):
     assert prefill[16] == pytest.approx(3000.0 if passes == 1 else 1000.0)
     # 9 repeats of a jittered prefill: 5 pairs (in 3 passes: 2, 2 and 1)
     assert len(profiler.folded()[("attn_prefill", 0, 16, 0)]) == 10 * runner.num_layers
+
+
+def test_a_prefill_of_several_prompts_files_its_first_call_apart_from_the_later_ones():
+    """A pair's attention stage of 5 ms a layer, its calls 2.5 and 1.5 ms: outer 1 ms, the
+    first call (attn_prefill_first) 2.5 ms and the later one (attn_prefill_next) 1.5 ms, each
+    at its prompt's grid length; a batch of 3 calls (2.5, 1.5, 2.5 ms) files the mean of the
+    later two; a single prompt's call files neither."""
+    runner = ModelRunner(build_model("tiny-mixtral")[0])
+    settings = Settings([4, 16], [1], [8], [1], warmup=0, repeats=2, wake_idle_ms=())
+    prof = Profiler(runner, settings, torch.device("cpu"))
+
+    def attention(layer: int, ms: float, calls: list[float]) -> measure.StageTime:
+        return measure.StageTime(measure.StageRef(layer, "attention", layer, -1), 0, ms, calls)
+
+    pair = [attention(layer, 5.0, [2.5, 1.5]) for layer in range(2)]
+    prof.record([(10.0, pair)], num_tokens=32, prompts=2)
+    assert prof.samples[("attn_prefill_first", 0, 16, 0)] == [2.5, 2.5]
+    assert prof.samples[("attn_prefill_next", 0, 16, 0)] == [1.5, 1.5]
+    assert prof.samples[("attn_prefill_outer", 0, 32, 0)] == [1.0, 1.0]
+    prof.record([(10.0, [attention(0, 7.5, [2.5, 1.5, 2.5])])], num_tokens=48, prompts=3)
+    assert prof.samples[("attn_prefill_first", 0, 16, 0)] == [2.5] * 3
+    assert prof.samples[("attn_prefill_next", 0, 16, 0)] == [1.5, 1.5, 2.0]
+    prof.record([(10.0, [attention(0, 3.0, [2.0])])], num_tokens=4)
+    assert ("attn_prefill_first", 0, 4, 0) not in prof.samples
+    assert prof.samples[("attn_prefill", 0, 4, 0)] == [3.0]
 
 
 def test_a_prefill_is_timed_on_new_prompts_a_little_shorter_and_longer_and_folded_onto_n():
@@ -1117,6 +1149,7 @@ def test_a_batched_prefill_files_its_router_and_experts_and_splits_its_attention
     assert {p.num_tokens for p in points if p.op == "router"} == {1, 4, 8, 12, 24, 36}
     assert {p.num_tokens for p in points if p.op == "attn_prefill"} == {4, 12}
     assert {p.num_tokens for p in points if p.op == "attn_prefill_outer"} == {4, 8, 12, 24, 36}
+    assert {p.num_tokens for p in points if p.op == "attn_prefill_first"} == {4, 12}
     assert {p.num_tokens for p in points if p.op == "attn_prefill_next"} == {4, 12}
     # every prefill's own prepare and lm_head stages, by its tokens in all; decode's by batch
     for op in ("prepare_prefill", "lm_head_prefill"):
@@ -1128,6 +1161,7 @@ def test_a_batched_prefill_files_its_router_and_experts_and_splits_its_attention
     folded = prof.folded()
     assert len(folded[("attn_prefill_outer", 0, 36, 0)]) == 2 * layers
     assert len(folded[("attn_prefill_next", 0, 12, 0)]) == 2 * 2 * layers  # pair, batch
+    assert len(folded[("attn_prefill_first", 0, 12, 0)]) == 2 * 2 * layers
     assert max(n for n, _ in prof.expert_samples) > 12  # more than one prompt's tokens
     assert len(prof.totals[(0, 33, 0, 3)]) == len(prof.totals[(0, 39, 0, 3)]) == 1
     check = measure.build_profile(prof, info, "t", points).extra["self_check"]
@@ -1140,7 +1174,7 @@ def test_a_batched_prefill_files_its_router_and_experts_and_splits_its_attention
     # long for short prompts), or be missing (a profile error after the whole grid): no split
     prof.settings = replace(settings, prefill_pairs=False)
     unsplit = prof.table()
-    assert not {p.op for p in unsplit} & {"attn_prefill_outer", "attn_prefill_next"}
+    assert not {p.op for p in unsplit} & set(measure.SPLIT_OPS)
     assert {p.num_tokens for p in unsplit if p.op == "attn_prefill"} == {4, 12}
     measure.build_profile(prof, info, "t", unsplit)  # a valid profile
 
