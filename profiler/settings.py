@@ -84,8 +84,8 @@ class Settings:
     chunk_kv: tuple[int, ...] = ()  # cached prefixes under each chunk; empty: no attn_chunk
     # batched prefills of about this many tokens (``prefill_batches``); empty: none
     prefill_batch_tokens: tuple[int, ...] = ()
-    # also a prefill of two prompts of each prefill_tokens length (2 and more): what a prompt
-    # after a batch's first adds to its attention stage (attn_prefill_next)
+    # also a prefill of two prompts of each prefill_tokens length (2 and more): a batch's first
+    # prompt's call (attn_prefill_first) and what a later prompt adds (attn_prefill_next)
     prefill_pairs: bool = True
     passes: int = 1  # sweeps of the grid, each shape's repeats split over them (<= repeats)
     # each pass's shapes in a random order (seeded, another each pass; ``grid_pass``); false:
