@@ -919,8 +919,8 @@ class Profiler:
             if op in SPLIT_OPS and not self.settings.prefill_pairs:
                 # without the pairs, attn_prefill_first and _next have only the longest
                 # prompt's point (from batched prefills), which a curve would hold for every
-                # length, and
-                # none at all without them: no split (per_prompt sums attn_prefill)
+                # length, and none at all without them: no split (per_prompt sums
+                # attn_prefill)
                 continue
             med, p90 = summarize(times)
             pts.append(OpPoint(op, batch, tokens, kv, median_ms=med * unit, p90_ms=p90 * unit))
