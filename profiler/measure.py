@@ -40,8 +40,14 @@ than inside an iteration, where the rest of the model streamed through the cache
   profile's own mean decode iterations, the stages' skew), and ``prepare_decode(B)``,
   that prepare stage alone (pooled over kv; it stays part of ``step_overhead``);
 - every prefill iteration of N tokens in all (one prompt, a pair, a batch) gives
-  ``prepare_prefill(N)`` and ``lm_head_prefill(N)``, its prepare and lm_head stages (pooled
-  over prompt counts at equal N): a prefill's prepare embeds, positions and masks all its
+  ``prepare_prefill(k, N)`` and ``lm_head_prefill(k, N)``, its prepare and lm_head stages, and
+  ``attn_prefill_outer(k, N)``, at its prompt count k (``batch_size``; 0 for one prompt: until
+  2026-12-05 all were pooled at equal N, and one prompt was charged part of a pair's cost);
+  each batched prefill's prompt count k is also timed at the longest prompt's P tokens, in k
+  prompts of P // k (``Settings.prompt_counts``), so that what k prompts add over one prompt
+  of as many tokens is measured (``sim.latency.PromptCurve``): at 256 tokens on
+  tiny-qwen3-moe, 16 prompts spent about 0.5 ms more in prepare (a mask and a slice each)
+  than one. A prefill's prepare embeds, positions and masks all its
   tokens, and its lm_head stage runs the last layer's combine over all of them, where a
   decode step's run over one token per sequence. Charged the decode's ``step_overhead`` and
   ``lm_head`` at its prompt count, as before these ops, the profile's own prefills came out
@@ -537,16 +543,18 @@ class Profiler:
         grid = num_tokens - jitter * prompts  # a prefill's tokens on the grid
         attention = ("attn_decode", batch, 0, kv) if batch else ("attn_prefill", 0, grid, 0)
         ops = {"router": ("router", 0, grid, 0)}
+        # a prefill's once-per-iteration stages by its prompt count (one prompt: 0)
+        count = prompts if prompts >= 2 else 0
         if batch:
             ops["lm_head"] = ("lm_head", batch, 0, 0)
             ops["prepare"] = ("prepare_decode", batch, 0, 0)
         else:
-            ops["lm_head"] = ("lm_head_prefill", 0, grid, 0)
-            ops["prepare"] = ("prepare_prefill", 0, grid, 0)
+            ops["lm_head"] = ("lm_head_prefill", count, grid, 0)
+            ops["prepare"] = ("prepare_prefill", count, grid, 0)
         if batch or prompts == 1:  # a prefill batch's attention stage runs every prompt's
             ops["attention"] = attention
         # a prefill's attention stage, split (attn_prefill_outer, attn_prefill_first, _next)
-        outer = ("attn_prefill_outer", 0, grid, 0)
+        outer = ("attn_prefill_outer", count, grid, 0)
         first_call = ("attn_prefill_first", 0, grid // prompts, 0)
         after_first = ("attn_prefill_next", 0, grid // prompts, 0)
         if jitter:  # whole-iteration ops are off by every prompt's offset, a call by one's
@@ -769,6 +777,9 @@ class Profiler:
         longest = max(s.prefill_tokens)
         shapes += [functools.partial(self.prefill, longest, prefill_repeats(longest), prompts=k)
                    for k in s.prefill_batches]  # fmt: skip
+        shapes += [functools.partial(self.prefill, longest // k,
+                                     prefill_repeats(longest // k), prompts=k)
+                   for k in s.prompt_counts]  # fmt: skip
         shapes += [functools.partial(self.decode, b, kv, repeats)
                    for kv in s.decode_kv for b in s.decode_batch]  # fmt: skip
         if s.shuffle:

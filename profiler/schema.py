@@ -94,20 +94,26 @@ op                        key columns (others are 0)     what was timed
 ``prepare_decode``        batch_size                     optional: the prepare stage of a
                                                          decode step (embeddings, positions,
                                                          masks), part of ``step_overhead``
-``prepare_prefill``       num_tokens                     optional: the prepare stage of a
-                                                         prefill of num_tokens in all
-``lm_head_prefill``       num_tokens                     optional: the lm_head stage of a
+``prepare_prefill``       batch_size, num_tokens         optional: the prepare stage of a
+                                                         prefill of num_tokens in all, in
+                                                         batch_size prompts (0: one prompt,
+                                                         or, in a profile before 2026-12-05,
+                                                         any number: pooled)
+``lm_head_prefill``       batch_size, num_tokens         optional: the lm_head stage of a
                                                          prefill of num_tokens in all (the
                                                          last layer's combine over all of
-                                                         them, then ``lm_head``'s work). The
+                                                         them, then ``lm_head``'s work), in
+                                                         batch_size prompts as above. The
                                                          three together or none: a prefill or
                                                          mixed iteration of k sequences, N
                                                          new tokens, is charged
                                                          step_overhead(k) -
                                                          prepare_decode(k) +
                                                          prepare_prefill(N) and
-                                                         lm_head_prefill(N); absent:
-                                                         step_overhead(k) and lm_head(k)
+                                                         lm_head_prefill(N) at its prompt
+                                                         count (``sim.latency.PromptCurve``);
+                                                         absent: step_overhead(k) and
+                                                         lm_head(k)
 ``engine_host``           batch_size                     optional: the serving engine's host
                                                          time per iteration outside the
                                                          model (admitting arrivals, the
@@ -123,13 +129,15 @@ op                        key columns (others are 0)     what was timed
                                                          kv_tokens = 0 is ``attn_prefill``;
                                                          absent: a chunk costs as a prefill
                                                          of its own tokens
-``attn_prefill_outer``    num_tokens                     optional: the part of a prefill's
+``attn_prefill_outer``    batch_size, num_tokens         optional: the part of a prefill's
                                                          attention stage outside its prompts'
                                                          self-attention calls, num_tokens in
                                                          all (the previous layer's combine,
                                                          the input norm, joining the calls'
                                                          outputs, the residual): it runs once
-                                                         per iteration, not per prompt
+                                                         per iteration, not per prompt; in
+                                                         batch_size prompts as
+                                                         ``prepare_prefill``
 ``attn_prefill_first``    num_tokens                     optional: the first
                                                          self-attention call of a prefill of
                                                          several prompts, for a first prompt
@@ -201,7 +209,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "lm_head": ("batch_size",),
     "step_overhead": ("batch_size",),
     "attn_prefill_batch": ("batch_size", "num_tokens"),
-    "attn_prefill_outer": ("num_tokens",),
+    "attn_prefill_outer": ("batch_size", "num_tokens"),
     "attn_prefill_first": ("num_tokens",),
     "attn_prefill_next": ("num_tokens",),
     "attn_chunk": ("num_tokens", "kv_tokens"),
@@ -209,11 +217,13 @@ OPS: dict[str, tuple[str, ...]] = {
     "wake_up": ("idle_ms", "busy_ms"),
     "engine_host": ("batch_size",),
     "prepare_decode": ("batch_size",),
-    "prepare_prefill": ("num_tokens",),
-    "lm_head_prefill": ("num_tokens",),
+    "prepare_prefill": ("batch_size", "num_tokens"),
+    "lm_head_prefill": ("batch_size", "num_tokens"),
 }
 # a prefill's own prepare and lm_head stages: all three ops or none (LatencyModel.plan)
 PREFILL_STAGE_OPS = ("prepare_decode", "prepare_prefill", "lm_head_prefill")
+# a prefill's once-per-iteration stages, keyed by its prompt count too (0: one prompt)
+PROMPT_COUNT_OPS = ("prepare_prefill", "lm_head_prefill", "attn_prefill_outer")
 OPTIONAL_OPS = frozenset(
     {
         "attn_decode_bind",
@@ -422,6 +432,15 @@ class Profile:
                 raise ProfileError(f"{where}: wake_up at idle_ms=0 has median_ms="
                                    f"{p.median_ms:g}: no idle time leaves nothing to wake "
                                    "from (it is 0 by definition)")  # fmt: skip
+        for p in self.points:  # one prompt is 0: a 1 there would be a second key for it
+            if p.op in PROMPT_COUNT_OPS and p.batch_size == 1:
+                raise ProfileError(f"{where}: {p.label()}: a prefill's batch_size is its "
+                                   "prompt count when 2 or more, 0 for one prompt")  # fmt: skip
+        for op in PROMPT_COUNT_OPS:  # what more prompts add is read against one prompt's
+            counts = {p.batch_size for p in self.points if p.op == op}
+            if counts and 0 not in counts:
+                raise ProfileError(f"{where}: {op} has no point of one prompt (batch_size 0), "
+                                   f"only of {sorted(counts)} prompts")  # fmt: skip
         seen: set[tuple] = set()
         for p in self.points:  # the latency model keeps one point per key: the last
             keys = OPS[p.op]

@@ -203,7 +203,7 @@ class Settings:
         """Iteration shapes profiled (the progress bar's length)."""
         decode = len(self.decode_batch) * len(self.decode_kv)
         prefill = len(self.prefill_tokens) * (1 + len(self.chunk_kv)) + len(self.prefill_batches)
-        return prefill + len(self.prefill_pairs_tokens) + decode
+        return prefill + len(self.prefill_pairs_tokens) + len(self.prompt_counts) + decode
 
     @property
     def prefill_pairs_tokens(self) -> list[int]:
@@ -218,3 +218,15 @@ class Settings:
         tokens is a plain prefill)."""
         longest = max(self.prefill_tokens)
         return sorted({k for n in self.prefill_batch_tokens if (k := n // longest) >= 2})
+
+    @property
+    def prompt_counts(self) -> list[int]:
+        """The batched prefills' prompt counts k also profiled at the grid's longest prompt's
+        tokens P, in k prompts of P // k (those of 2 tokens or more; k = 2 where the pairs
+        have it already): beside one prompt of P, they measure what k prompts add to a
+        prefill's once-per-iteration stages (``sim.latency.PromptCurve``), which the batched
+        prefills of P tokens a prompt cannot tell from their many more tokens."""
+        longest = max(self.prefill_tokens)
+        pairs = set(self.prefill_pairs_tokens)
+        return [k for k in self.prefill_batches
+                if longest // k >= 2 and not (k == 2 and longest // 2 in pairs)]  # fmt: skip

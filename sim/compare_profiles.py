@@ -19,10 +19,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from profiler.schema import OPS, Profile
+from profiler.schema import OPS, PROMPT_COUNT_OPS, Profile
 from sim import profiles
 from sim.config import UserError
-from sim.latency import Curve1D, Curve2D, WakeUp
+from sim.latency import Curve1D, Curve2D, PromptCurve, WakeUp
 
 PROG = "sim.compare_profiles"
 
@@ -46,6 +46,9 @@ def _predictor(points: list, op: str):
     if op == "wake_up":
         wake = WakeUp(points)
         return lambda p: wake.left_ms(p.idle_ms, p.busy_ms) / 1e3
+    if op in PROMPT_COUNT_OPS:  # by tokens, and what more prompts add (PromptCurve)
+        stage = PromptCurve(points)
+        return lambda p: stage.scalar(p.batch_size, p.num_tokens)
     if op in CURVES_2D:
         key, row_key = CURVES_2D[op]
         curve = Curve2D(points, key, row_key=row_key)

@@ -5,8 +5,9 @@ An iteration of a batch is planned as a flat list of stages::
     [step_overhead] + for each layer l: [attention(l), router(l), expert(l, 0..E-1)] + [lm_head]
 
 A prefill or mixed iteration's first and last stages are its own when the profile measured
-them (``prepare_prefill``, ``lm_head_prefill``: over all its new tokens, where a decode step's
-run over one token per sequence). An expert that received no token has a zero-length stage.
+them (``prepare_prefill``, ``lm_head_prefill``: over all its new tokens, in its prompts
+(``PromptCurve``), where a decode step's run over one token per sequence). An expert that
+received no token has a zero-length stage.
 ``Plan.offset(i)`` is the time at which stage i starts (boundary i); a batch's cursor is such
 a boundary index. Which boundaries allow preemption depends on the policy's granularity
 (``Plan.preemptible``).
@@ -169,6 +170,69 @@ class Curve2D:
             self._note_beyond(batch_size)
             return y1 + max(y1 - y0, 0.0) * (batch_size - x1) / (x1 - x0)
         return y0 + (y1 - y0) * (batch_size - x0) / (x1 - x0)
+
+
+class PromptCurve:
+    """A prefill's once-per-iteration stage (``prepare_prefill``, ``attn_prefill_outer``,
+    ``lm_head_prefill``) at N new tokens in k prompts. The profile's points at batch_size 0 are
+    one prompt's (in a profile before 2026-12-05, pooled over prompt counts), at batch_size
+    k >= 2 k prompts'. What k prompts add over one prompt of as many tokens, ``extra(k)``, is
+    read where both were measured: the median, over k's points within the one-prompt grid, of
+    their difference to the one-prompt curve there; interpolated in k from 0 at k = 1, and
+    held per prompt past the largest k measured (each prompt adds its own mask, slice and
+    row). k prompts of N tokens cost ``one(N) + extra(k)``; past the one-prompt grid,
+    ``one`` goes on through the k-prompt points there, less their ``extra``. Without k-prompt
+    points within the one-prompt grid (no pairs profiled, or an older profile) there is no
+    extra, and the points past it are read as they are, as before."""
+
+    def __init__(self, points: list[OpPoint]) -> None:
+        self.op = points[0].op
+        ones = [p for p in points if p.batch_size == 0]
+        if not ones:
+            raise ValueError(f"{self.op}: no point of one prompt (batch_size 0)")
+        inside = Curve1D(ones, "num_tokens")
+        lo, hi = inside.xs[0], inside.xs[-1]
+        by_count: dict[int, list[OpPoint]] = defaultdict(list)
+        for p in points:
+            if p.batch_size >= 2:
+                by_count[p.batch_size].append(p)
+        extra = {}
+        for k, pts in by_count.items():
+            diffs = [p.median_ms / 1e3 - inside.scalar(p.num_tokens)
+                     for p in pts if lo <= p.num_tokens <= hi]  # fmt: skip
+            if diffs:
+                extra[k] = float(np.median(diffs))
+        self.counts = [1, *sorted(extra)]
+        self.extras = [0.0, *(extra[k] for k in sorted(extra))]
+        past: dict[int, list[float]] = defaultdict(list)  # beyond the one-prompt grid
+        for k, pts in by_count.items():
+            for p in pts:
+                if p.num_tokens > hi:
+                    past[p.num_tokens].append(p.median_ms - 1e3 * self.extra(k))
+        self.one = Curve1D(ones + [OpPoint(self.op, num_tokens=n, median_ms=float(np.median(v)))
+                                   for n, v in past.items()], "num_tokens")  # fmt: skip
+        self._cache: dict[tuple[int, int], float] = {}
+
+    def extra(self, k: int) -> float:
+        """Seconds that k prompts add over one prompt of as many tokens."""
+        if k <= 1 or len(self.counts) == 1:
+            return 0.0
+        top = self.counts[-1]
+        if k >= top:
+            return self.extras[-1] * (k - 1) / (top - 1)
+        return float(np.interp(k, self.counts, self.extras))
+
+    def scalar(self, k: int, num_tokens: int) -> float:
+        """Seconds of the stage for ``num_tokens`` in ``k`` prompts (never below 0)."""
+        y = self._cache.get((k, num_tokens))
+        if y is None:
+            y = max(self.one.scalar(num_tokens) + self.extra(k), 0.0)
+            if len(self._cache) < 100_000:
+                self._cache[(k, num_tokens)] = y
+        return y
+
+    def extrapolations(self) -> list[str]:
+        return self.one.extrapolations()
 
 
 class RoutingModel:
@@ -650,8 +714,8 @@ class LatencyModel:
         # without them charges a prefill the decode's, at its prompt count)
         staged = [profile.op_points(op) for op in PREFILL_STAGE_OPS]
         self.prepare_decode, self.prepare_prefill, self.lm_head_prefill = (
-            (Curve1D(staged[0], "batch_size"), Curve1D(staged[1], "num_tokens"),
-             Curve1D(staged[2], "num_tokens")) if all(staged) else (None, None, None)
+            (Curve1D(staged[0], "batch_size"), PromptCurve(staged[1]), PromptCurve(staged[2]))
+            if all(staged) else (None, None, None)
         )  # fmt: skip
         self.prefill_attention = prefill_attention or profile.prefill_attention
         if self.prefill_attention not in PREFILL_ATTENTION:
@@ -668,7 +732,7 @@ class LatencyModel:
             profile.op_points("attn_prefill_outer"),
             profile.op_points("attn_prefill_next"),
         )
-        self.attn_prefill_outer = Curve1D(outer, "num_tokens") if outer and later else None
+        self.attn_prefill_outer = PromptCurve(outer) if outer and later else None
         self.attn_prefill_next = Curve1D(later, "num_tokens") if outer and later else None
         # and the first prompt's call (None: a profile before it, charged a single prompt's)
         first = profile.op_points("attn_prefill_first")
@@ -691,7 +755,7 @@ class LatencyModel:
         self._pool_sums: dict[int, np.ndarray] = {}  # each pool sample's float(times.sum())
         self._attention_blocks: dict[tuple[int, int], np.ndarray] = {}  # decode_attention_s
 
-    def curves(self) -> list[Curve1D | Curve2D]:
+    def curves(self) -> list[Curve1D | Curve2D | PromptCurve]:
         curves = [self.attn_prefill, self.attn_decode, self.attn_decode_bind, self.router]
         curves += [self.expert, self.lm_head]
         curves += [self.overhead, self.attn_prefill_batch, self.attn_chunk, self.switch]
@@ -750,9 +814,9 @@ class LatencyModel:
         if self.attn_prefill_first is not None:
             t = self.attn_prefill_first.scalar(first.new_tokens)
         else:
-            t = self.attn_prefill.scalar(first.new_tokens) - outer.scalar(first.new_tokens)
+            t = self.attn_prefill.scalar(first.new_tokens) - outer.scalar(0, first.new_tokens)
         t += sum(self.attn_prefill_next.scalar(s.new_tokens) for s in later)
-        return t + outer.scalar(batch.new_tokens)
+        return t + outer.scalar(batch.size, batch.new_tokens)
 
     def chunk_attention_s(self, prefix_tokens: int, chunk_tokens: int) -> float:
         """A prefill chunk's attention over its cached prefix: ``attn_chunk`` when the profile
@@ -805,9 +869,14 @@ class LatencyModel:
         kv = decode_kv(batch) if batch.phase is Phase.DECODE else None
         overhead, lm_head = self.overhead.scalar(batch.size), None
         if kv is None and self.prepare_prefill is not None:  # its own prepare and lm_head
+            prompts = (
+                batch.size
+                if batch.phase is Phase.PREFILL
+                else sum(s.phase is Phase.PREFILL for s in batch.sequences)
+            )  # a mixed one's chunks
             overhead = (max(overhead - self.prepare_decode.scalar(batch.size), 0.0)
-                        + self.prepare_prefill.scalar(tokens))  # fmt: skip
-            lm_head = self.lm_head_prefill.scalar(tokens)
+                        + self.prepare_prefill.scalar(prompts, tokens))  # fmt: skip
+            lm_head = self.lm_head_prefill.scalar(prompts, tokens)
         return Plan(
             overhead_s=overhead + batch.swap_tokens * self.swap_s_per_token,
             attention_s=self.attention_s(batch, bind, kv),

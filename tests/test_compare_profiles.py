@@ -45,9 +45,19 @@ def test_every_op_of_a_profile_against_itself_is_exact():
     extra += [OpPoint("wake_up", idle_ms=i, busy_ms=b, median_ms=m)
               for i, b, m in ((0, 0.0, 0.0), (200, 0.0, 4.0), (200, 10.0, 2.0), (1000, 0.0, 9.0),
                               (1000, 10.0, 5.0), (1000, 30.0, 1.0))]  # fmt: skip
+    # a prefill's once-per-iteration stages, by tokens and prompt count (sim.latency's
+    # PromptCurve: 2 prompts add 0.05 ms, 4 prompts 0.15, past one prompt's grid too)
+    for op in ("prepare_prefill", "lm_head_prefill", "attn_prefill_outer"):
+        extra += [OpPoint(op, num_tokens=n, median_ms=0.2 + n / 1000) for n in (16, 64, 256)]
+        extra += [OpPoint(op, batch_size=k, num_tokens=n, median_ms=0.2 + n / 1000 + e)
+                  for k, n, e in ((2, 32, 0.05), (2, 128, 0.05), (4, 256, 0.15))]  # fmt: skip
+        extra.append(OpPoint(op, batch_size=4, num_tokens=1024, median_ms=1.5))
+    extra += [OpPoint("prepare_decode", batch_size=b, median_ms=0.1) for b in (1, 64)]
+    extra += [OpPoint("attn_prefill_next", num_tokens=n, median_ms=0.5) for n in (1, 4096)]
     profile = dataclasses.replace(base, points=base.points + extra)
     result = compare(profile, profile)
     assert {"attn_prefill_batch", "attn_chunk", "wake_up", "attn_decode"} <= set(result["ops"])
+    assert result["ops"]["prepare_prefill"]["points"] == 7
     for name, op in result["ops"].items():
         assert op["max_abs_error_pct"] == pytest.approx(0.0, abs=1e-9), name
         assert op["beyond"] == 0

@@ -210,6 +210,91 @@ def test_a_prefill_pays_its_own_prepare_and_lm_head_stages_by_its_tokens():
     assert plain.prepare_prefill is None
 
 
+def prompt_count_points(op: str) -> list[OpPoint]:
+    """One prompt: 0.2 ms + 1 us per token at 16..256 tokens; 2 prompts 0.05 ms more at 32 and
+    128 (and 0.07 more at 64: the median of the three is 0.05); 4 prompts 0.15 more at 256;
+    past the one-prompt grid, 4 prompts of 256 (1024 tokens) at 1.5 ms."""
+    ones = [OpPoint(op, num_tokens=n, median_ms=0.2 + n / 1000) for n in (16, 256)]
+    pairs = [OpPoint(op, batch_size=2, num_tokens=n, median_ms=0.2 + n / 1000 + extra)
+             for n, extra in ((32, 0.05), (64, 0.07), (128, 0.05))]  # fmt: skip
+    return [*ones, *pairs, OpPoint(op, batch_size=4, num_tokens=256, median_ms=0.606),
+            OpPoint(op, batch_size=4, num_tokens=1024, median_ms=1.5)]  # fmt: skip
+
+
+def test_a_prefills_once_per_iteration_stages_are_charged_by_their_prompt_count():
+    """What k prompts add over one prompt of as many tokens is read where both were measured
+    (2 prompts: the median 0.05 ms; 4: 0.15), interpolated in k (3: 0.1) and held per prompt
+    past the largest k (8 prompts: 0.35 ms); past the one-prompt grid the k-prompt points
+    carry one prompt's curve, less their extra (one prompt of 1024: 1.35 ms). A prefill of
+    one prompt pays one prompt's stage, however many the profile's pooled points had."""
+    from sim.latency import PromptCurve
+
+    curve = PromptCurve(prompt_count_points("prepare_prefill"))
+    assert [curve.extra(k) * 1e3 for k in (1, 2, 3, 4, 8)] == pytest.approx(
+        [0.0, 0.05, 0.1, 0.15, 0.35]
+    )
+    assert curve.scalar(0, 100) == curve.scalar(1, 100) == pytest.approx(0.3e-3)
+    assert curve.scalar(2, 100) == pytest.approx(0.35e-3)
+    assert curve.scalar(4, 1024) == pytest.approx(1.5e-3)
+    assert curve.scalar(0, 1024) == pytest.approx(1.35e-3)
+    assert curve.scalar(8, 1024) == pytest.approx(1.7e-3)
+    # a profile before 2026-12-05 (every point at batch_size 0, pooled): as before, no extra
+    pooled = PromptCurve([replace(p, batch_size=0) for p in prompt_count_points("x")
+                          if p.batch_size in (0, 4) and p.num_tokens != 256])  # fmt: skip
+    assert pooled.extra(8) == 0.0 and pooled.scalar(8, 1024) == pytest.approx(1.5e-3)
+    with pytest.raises(ValueError, match="no point of one prompt"):
+        PromptCurve([OpPoint("prepare_prefill", batch_size=2, num_tokens=8, median_ms=1.0)])
+
+
+def test_a_prefill_of_several_prompts_pays_what_they_add_to_its_prepare_lm_head_and_outer():
+    """The three once-per-iteration ops with prompt-count points: 4 prompts of 64 tokens pay
+    0.15 ms more in prepare and in lm_head than one prompt of 256, and every layer's outer
+    part 0.15 ms more; one prompt of 256 pays one prompt's stages (0.456 ms each). With
+    attn_prefill_first absent, the first prompt's call is one prompt's stage less its outer
+    part as one prompt's."""
+    base = [p for p in prefill_stage_points()
+            if p.op not in ("prepare_prefill", "lm_head_prefill")]  # fmt: skip
+    split = [OpPoint("attn_prefill_next", num_tokens=n, median_ms=0.5 + n / 500)
+             for n in (1, 4096)]  # fmt: skip
+    points = [*base, *split]
+    for op in ("prepare_prefill", "lm_head_prefill", "attn_prefill_outer"):
+        points += prompt_count_points(op)
+    model = LatencyModel(with_points(linear_profile(), *points))
+    one, four = model.plan(prefill(256)), model.plan(prefill(64, 64, 64, 64))
+    assert one.lm_head_s == pytest.approx(0.456e-3)
+    assert four.lm_head_s - one.lm_head_s == pytest.approx(0.15e-3)
+    rest = max(model.overhead.scalar(4) - model.prepare_decode.scalar(4), 0.0)
+    assert four.overhead_s == pytest.approx(rest + 0.606e-3)
+    # a layer's attention stage: the first call (1 - 0.264 ms), 3 later ones (0.628 ms each),
+    # the outer part of 4 prompts of 256 tokens in all (0.606 ms)
+    assert four.attention_s == pytest.approx((1.0 - 0.264 + 3 * 0.628 + 0.606) / 1e3)
+
+
+def test_a_prompt_count_of_one_is_refused_for_the_once_per_iteration_ops():
+    """batch_size 0 is one prompt: a point at 1 would be a second key for the same shape,
+    of which the latency model would keep one silently."""
+    with pytest.raises(
+        ProfileError,
+        match=r"prepare_prefill\(batch_size=1, num_tokens=8\): "
+        "a prefill's batch_size is its prompt count",
+    ):
+        with_points(
+            linear_profile(),
+            *prefill_stage_points(),
+            OpPoint("prepare_prefill", batch_size=1, num_tokens=8, median_ms=1.0),
+        )
+    # and k prompts' points alone: what they add is read against one prompt's, which is missing
+    only_pairs = [p for p in prefill_stage_points() if p.op != "lm_head_prefill"]
+    only_pairs += [OpPoint("lm_head_prefill", batch_size=2, num_tokens=n, median_ms=1.0)
+                   for n in (8, 64)]  # fmt: skip
+    with pytest.raises(
+        ProfileError,
+        match=r"lm_head_prefill has no point of one prompt "
+        r"\(batch_size 0\), only of \[2\] prompts",
+    ):
+        with_points(linear_profile(), *only_pairs)
+
+
 def test_a_prefills_prepare_never_makes_the_rest_of_its_overhead_negative():
     """step_overhead below the decode's prepare at some batch size (they are medians of
     different samples): the rest is 0, not a negative time."""

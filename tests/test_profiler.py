@@ -85,16 +85,21 @@ def test_every_tiny_model_profiles_on_the_cpu(tmp_path, model):
     # the self-check: the latency model against every timed prefill and decode shape
     check = loaded.extra["self_check"]
     shapes = {(r["phase"], r["batch_size"], r["tokens"], r["kv_tokens"]) for r in check["shapes"]}
+    # (2 prompts of 8: the batch's prompt count at the longest prompt's 16 tokens)
     assert shapes == {("prefill", 1, 4, 0), ("prefill", 1, 16, 0), ("prefill", 2, 8, 0),
-                      ("prefill", 2, 32, 0), ("decode", 1, 1, 8), ("decode", 3, 3, 8)}  # fmt: skip
+                      ("prefill", 2, 16, 0), ("prefill", 2, 32, 0), ("decode", 1, 1, 8),
+                      ("decode", 3, 3, 8)}  # fmt: skip
     # the batched prefill and the pair of 16: the router at their 32 tokens; their attention
     # stage split: the part outside the calls over all 32 tokens, the first prompt's call and
     # the second's
     assert 32 in {p.num_tokens for p in loaded.op_points("router")}
     assert 32 not in {p.num_tokens for p in loaded.op_points("attn_prefill")}
-    assert {p.num_tokens for p in loaded.op_points("attn_prefill_outer")} == {4, 8, 16, 32}
-    assert {p.num_tokens for p in loaded.op_points("attn_prefill_first")} == {4, 16}
-    assert {p.num_tokens for p in loaded.op_points("attn_prefill_next")} == {4, 16}
+    # the once-per-iteration stages by prompt count (0: one prompt)
+    for op in ("attn_prefill_outer", "prepare_prefill", "lm_head_prefill"):
+        assert {p.key() for p in loaded.op_points(op)} == {(0, 4), (0, 16), (2, 8), (2, 16),
+                                                           (2, 32)}  # fmt: skip
+    assert {p.num_tokens for p in loaded.op_points("attn_prefill_first")} == {4, 8, 16}
+    assert {p.num_tokens for p in loaded.op_points("attn_prefill_next")} == {4, 8, 16}
     assert all(math.isfinite(r["error_pct"]) for r in check["shapes"])
 
 
@@ -472,12 +477,14 @@ def test_a_prefill_of_several_prompts_files_its_first_call_apart_from_the_later_
     prof.record([(10.0, pair)], num_tokens=32, prompts=2)
     assert prof.samples[("attn_prefill_first", 0, 16, 0)] == [2.5, 2.5]
     assert prof.samples[("attn_prefill_next", 0, 16, 0)] == [1.5, 1.5]
-    assert prof.samples[("attn_prefill_outer", 0, 32, 0)] == [1.0, 1.0]
+    assert prof.samples[("attn_prefill_outer", 2, 32, 0)] == [1.0, 1.0]
     prof.record([(10.0, [attention(0, 7.5, [2.5, 1.5, 2.5])])], num_tokens=48, prompts=3)
+    assert prof.samples[("attn_prefill_outer", 3, 48, 0)] == [1.0]
     assert prof.samples[("attn_prefill_first", 0, 16, 0)] == [2.5] * 3
     assert prof.samples[("attn_prefill_next", 0, 16, 0)] == [1.5, 1.5, 2.0]
     prof.record([(10.0, [attention(0, 3.0, [2.0])])], num_tokens=4)
     assert ("attn_prefill_first", 0, 4, 0) not in prof.samples
+    assert prof.samples[("attn_prefill_outer", 0, 4, 0)] == [1.0]  # one prompt's: 0
     assert prof.samples[("attn_prefill", 0, 4, 0)] == [3.0]
 
 
@@ -1043,7 +1050,8 @@ def test_each_pass_runs_the_grids_shapes_in_an_order_of_its_own():
 
     first, second = orders(settings)
     grid = orders(replace(settings, shuffle=False))[0]
-    assert len(grid) == len(set(grid)) == settings.num_iterations == 11
+    # 2 prompts, their pairs, 2 chunks, the batch of 3 and 3 prompts of 4, 4 decode shapes
+    assert len(grid) == len(set(grid)) == settings.num_iterations == 12
     assert sorted(first) == sorted(second) == sorted(grid)
     assert first != grid and second != first
     assert orders(settings) == [first, second]  # seeded
@@ -1085,10 +1093,11 @@ def test_a_router_sample_is_an_iterations_mean_over_its_layers():
     assert prof.samples[("lm_head", 1, 0, 0)] == [0.4] * 3
 
 
-def test_a_prefill_files_its_own_prepare_and_lm_head_stages_by_its_tokens():
+def test_a_prefill_files_its_own_prepare_and_lm_head_stages_by_its_tokens_and_prompts():
     """A prefill's prepare stage embeds and masks all its N tokens and its lm_head stage runs
-    the last layer's combine over them: filed as prepare_prefill(N) and lm_head_prefill(N),
-    whatever the prompt count (a pair of 8 and one prompt of 16 pool), never as the decode's
+    the last layer's combine over them: filed as prepare_prefill and lm_head_prefill at N and
+    its prompt count (one prompt: 0; a pair of 8 apart from one prompt of 16, which it pooled
+    with until 2026-12-05: each prompt adds its own mask and row), never as the decode's
     lm_head(batch 0) nor into step_overhead."""
     ref = measure.StageRef
 
@@ -1106,8 +1115,10 @@ def test_a_prefill_files_its_own_prepare_and_lm_head_stages_by_its_tokens():
     prof.record([run(0.3, 0.25)] * 2, num_tokens=16)
     prof.record([run(0.4, 0.35)] * 2, num_tokens=16, prompts=2)
     prof.record([run(0.6, 0.5)], num_tokens=64)
-    assert prof.samples[("prepare_prefill", 0, 16, 0)] == [0.3, 0.3, 0.4, 0.4]
-    assert prof.samples[("lm_head_prefill", 0, 16, 0)] == [0.25, 0.25, 0.35, 0.35]
+    assert prof.samples[("prepare_prefill", 0, 16, 0)] == [0.3, 0.3]
+    assert prof.samples[("lm_head_prefill", 0, 16, 0)] == [0.25, 0.25]
+    assert prof.samples[("prepare_prefill", 2, 16, 0)] == [0.4, 0.4]
+    assert prof.samples[("lm_head_prefill", 2, 16, 0)] == [0.35, 0.35]
     assert prof.samples[("prepare_prefill", 0, 64, 0)] == [0.6]
     assert ("lm_head", 0, 0, 0) not in prof.samples
     assert not any(op in ("step_overhead", "prepare_decode") for op, *_ in prof.samples)
@@ -1134,28 +1145,31 @@ def test_a_batched_prefill_files_its_router_and_experts_and_splits_its_attention
                         prefill_batch_tokens=(12, 36, 40))  # fmt: skip
     prof = Profiler(runner, settings, torch.device("cpu"))
     prof.grid_pass()
-    assert settings.num_iterations == 6  # 2 prompts, 2 pairs, 1 batch, 1 decode shape
+    # 2 prompts, 2 pairs, 1 batch, 3 prompts of 4 (the batch's count at 12), 1 decode shape
+    assert settings.num_iterations == 7 and settings.prompt_counts == [3]
     # its repeats (warmup=0: no warm-up), on new prompts of 12 -+ 12 // PREFILL_JITTER tokens
     assert begun.count((0, 0, 0, 11)) == 1 and begun.count((0, 0, 0, 13)) == 1
     assert begun.count((0, 0, 11)) == 1 and begun.count((0, 0, 13)) == 1  # the pairs
     assert begun.count((0, 0, 4)) == 2  # too short to jitter
+    assert begun.count((0, 0, 0, 4)) == 2  # 3 prompts of 4: 12 tokens, as one prompt of 12
     prof.warm_up()  # the largest prefill first: the batch
     assert begun[-3] == (0, 0, 0, 12)
     points = prof.table()
     assert {p.num_tokens for p in points if p.op == "router"} == {1, 4, 8, 12, 24, 36}
     assert {p.num_tokens for p in points if p.op == "attn_prefill"} == {4, 12}
-    assert {p.num_tokens for p in points if p.op == "attn_prefill_outer"} == {4, 8, 12, 24, 36}
     assert {p.num_tokens for p in points if p.op == "attn_prefill_first"} == {4, 12}
     assert {p.num_tokens for p in points if p.op == "attn_prefill_next"} == {4, 12}
-    # every prefill's own prepare and lm_head stages, by its tokens in all; decode's by batch
-    for op in ("prepare_prefill", "lm_head_prefill"):
-        assert {p.num_tokens for p in points if p.op == op} == {4, 8, 12, 24, 36}
+    # every prefill's once-per-iteration stages, by its tokens in all and its prompt count
+    # (one prompt: 0); decode's by batch
+    counted = {(0, 4), (0, 12), (2, 8), (2, 24), (3, 12), (3, 36)}
+    for op in ("attn_prefill_outer", "prepare_prefill", "lm_head_prefill"):
+        assert {(p.batch_size, p.num_tokens) for p in points if p.op == op} == counted
     assert {p.batch_size for p in points if p.op == "prepare_decode"} == {1}
     # 2 runs x layers stages each of the batch: one outer sample, one of the later calls' mean
     layers = runner.num_layers
     # (folded onto the grid's lengths from 3 x 11 and 3 x 13 tokens)
     folded = prof.folded()
-    assert len(folded[("attn_prefill_outer", 0, 36, 0)]) == 2 * layers
+    assert len(folded[("attn_prefill_outer", 3, 36, 0)]) == 2 * layers
     assert len(folded[("attn_prefill_next", 0, 12, 0)]) == 2 * 2 * layers  # pair, batch
     assert len(folded[("attn_prefill_first", 0, 12, 0)]) == 2 * 2 * layers
     assert max(n for n, _ in prof.expert_samples) > 12  # more than one prompt's tokens
