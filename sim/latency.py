@@ -212,6 +212,7 @@ class PromptCurve:
         self.one = Curve1D(ones + [OpPoint(self.op, num_tokens=n, median_ms=float(np.median(v)))
                                    for n, v in past.items()], "num_tokens")  # fmt: skip
         self._cache: dict[tuple[int, int], float] = {}
+        self.beyond_k: int | None = None  # the most prompts charged past the largest measured
 
     def extra(self, k: int) -> float:
         """Seconds that k prompts add over one prompt of as many tokens."""
@@ -219,6 +220,8 @@ class PromptCurve:
             return 0.0
         top = self.counts[-1]
         if k >= top:
+            if k > top and (self.beyond_k is None or k > self.beyond_k):
+                self.beyond_k = k
             return self.extras[-1] * (k - 1) / (top - 1)
         return float(np.interp(k, self.counts, self.extras))
 
@@ -232,7 +235,11 @@ class PromptCurve:
         return y
 
     def extrapolations(self) -> list[str]:
-        return self.one.extrapolations()
+        out = self.one.extrapolations()
+        if self.beyond_k is not None:
+            out.append(f"{self.op} prompts up to {self.beyond_k} (held per prompt past "
+                       f"{self.counts[-1]})")  # fmt: skip
+        return out
 
 
 class RoutingModel:

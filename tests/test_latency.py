@@ -238,6 +238,12 @@ def test_a_prefills_once_per_iteration_stages_are_charged_by_their_prompt_count(
     assert curve.scalar(4, 1024) == pytest.approx(1.5e-3)
     assert curve.scalar(0, 1024) == pytest.approx(1.35e-3)
     assert curve.scalar(8, 1024) == pytest.approx(1.7e-3)
+    # both reads past what was measured are said, as every curve's extrapolation is
+    assert curve.scalar(2, 2048) > curve.scalar(2, 1024)
+    assert curve.extrapolations() == [
+        "prepare_prefill num_tokens up to 2048 (grid ends at 1024)",
+        "prepare_prefill prompts up to 8 (held per prompt past 4)",
+    ]
     # a profile before 2026-12-05 (every point at batch_size 0, pooled): as before, no extra
     pooled = PromptCurve([replace(p, batch_size=0) for p in prompt_count_points("x")
                           if p.batch_size in (0, 4) and p.num_tokens != 256])  # fmt: skip
