@@ -65,4 +65,9 @@ def test_timed_run_maps_no_host_memory_mid_run(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["completed"] == 64
     faults = summary["executor"]["page_faults"]
-    assert isinstance(faults, int) and faults < 1000, faults  # 11,367 without either
+    # 11,367 without either. On this project's VM after its reboot of 2026-12-05 this run
+    # faulted either 195-452 or 1,187-1,365 times (16 of 30 runs high; the code before and
+    # after that day's change alike, with ASLR off, with PYTHONMALLOC=malloc and with a fixed
+    # hash seed too): a one-off ~4 MB of the host's, not a cost per batch, which the bound
+    # below still catches.
+    assert isinstance(faults, int) and faults < 3000, faults
