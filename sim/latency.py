@@ -208,20 +208,24 @@ class PromptCurve:
         for k, pts in by_count.items():
             for p in pts:
                 if p.num_tokens > hi:
-                    past[p.num_tokens].append(p.median_ms - 1e3 * self.extra(k))
+                    past[p.num_tokens].append(p.median_ms - 1e3 * self._extra(k))
         self.one = Curve1D(ones + [OpPoint(self.op, num_tokens=n, median_ms=float(np.median(v)))
                                    for n, v in past.items()], "num_tokens")  # fmt: skip
         self._cache: dict[tuple[int, int], float] = {}
         self.beyond_k: int | None = None  # the most prompts charged past the largest measured
 
     def extra(self, k: int) -> float:
-        """Seconds that k prompts add over one prompt of as many tokens."""
+        """Seconds that k prompts add over one prompt of as many tokens (a k past the largest
+        measured is noted for ``extrapolations``)."""
+        if k > self.counts[-1] > 1 and (self.beyond_k is None or k > self.beyond_k):
+            self.beyond_k = k
+        return self._extra(k)
+
+    def _extra(self, k: int) -> float:
         if k <= 1 or len(self.counts) == 1:
             return 0.0
         top = self.counts[-1]
         if k >= top:
-            if k > top and (self.beyond_k is None or k > self.beyond_k):
-                self.beyond_k = k
             return self.extras[-1] * (k - 1) / (top - 1)
         return float(np.interp(k, self.counts, self.extras))
 

@@ -244,6 +244,13 @@ def test_a_prefills_once_per_iteration_stages_are_charged_by_their_prompt_count(
         "prepare_prefill num_tokens up to 2048 (grid ends at 1024)",
         "prepare_prefill prompts up to 8 (held per prompt past 4)",
     ]
+    # k-prompt points past the one-prompt grid with more prompts than any measured within it
+    # (16 prompts, where 4 is the most within): read with the extra held per prompt (0.75
+    # ms), which the curve's construction does not report as a run's extrapolation
+    sixteen = OpPoint("prepare_prefill", batch_size=16, num_tokens=2048, median_ms=2.95)
+    wide = PromptCurve([*prompt_count_points("prepare_prefill"), sixteen])
+    assert wide.extrapolations() == []
+    assert wide.scalar(0, 2048) == pytest.approx(2.2e-3)
     # a profile before 2026-12-05 (every point at batch_size 0, pooled): as before, no extra
     pooled = PromptCurve([replace(p, batch_size=0) for p in prompt_count_points("x")
                           if p.batch_size in (0, 4) and p.num_tokens != 256])  # fmt: skip
