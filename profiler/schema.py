@@ -116,12 +116,20 @@ op                        key columns (others are 0)     what was timed
                                                          lm_head(k)
 ``engine_host``           batch_size                     optional: the serving engine's host
                                                          time per iteration outside the
-                                                         model (admitting arrivals, the
+                                                         model and the admissions (the
                                                          scheduler's selection and
                                                          bookkeeping, starting the
                                                          iteration), measured on the real
                                                          engine (``qllm-validate``); charged
                                                          with ``step_overhead``; absent: 0
+``engine_admit``          batch_size                     optional: the serving engine's host
+                                                         time to admit batch_size requests
+                                                         that arrived (queueing each, its
+                                                         KV cache), a line through 0 fitted
+                                                         on the real engine
+                                                         (``qllm-validate``); the simulator
+                                                         charges it before the next batch
+                                                         runs; absent: 0
 ``attn_chunk``            num_tokens, kv_tokens          optional: one sequence's prefill
                                                          chunk of num_tokens over kv_tokens
                                                          already cached (chunked prefill),
@@ -216,6 +224,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "preempt_switch": ("num_tokens",),
     "wake_up": ("idle_ms", "busy_ms"),
     "engine_host": ("batch_size",),
+    "engine_admit": ("batch_size",),
     "prepare_decode": ("batch_size",),
     "prepare_prefill": ("batch_size", "num_tokens"),
     "lm_head_prefill": ("batch_size", "num_tokens"),
@@ -235,6 +244,7 @@ OPTIONAL_OPS = frozenset(
         "preempt_switch",
         "wake_up",
         "engine_host",
+        "engine_admit",
         *PREFILL_STAGE_OPS,
     }
 )

@@ -76,6 +76,10 @@ class Segment:
     # minor page faults of the process while it ran (None where uncounted): host memory
     # mapped in mid-segment, in its measured time and in no profile term
     faults: int | None = None
+    # requests the engine admitted in the host time just before it (while busy: not after an
+    # idle gap, whose admissions are in idle_s), and during it (at a preemptible boundary)
+    admitted: int = 0
+    admitted_within: int = 0
 
     @property
     def measured_s(self) -> float:
@@ -145,6 +149,10 @@ class RealEngine:
         self._idle_since: float | None = 0.0
         self._next = 0  # index of the next request to arrive
         self._swaps = 0  # the scheduler's swap count when swapped-out KV was last moved
+        # requests admitted since the last segment ended while the engine had work, after it
+        # sat idle, and within the segment in progress (Segment.admitted, admitted_within)
+        self._admitted = {"busy": 0, "idle": 0, "within": 0}
+        self._admitting = "busy"
 
     # ----------------------------------------------------------------------------- arrivals
     def _admit(self, now: float) -> None:
@@ -152,6 +160,7 @@ class RealEngine:
         while self._next < len(requests) and requests[self._next].arrival_s <= now:
             r = requests[self._next]
             self._next += 1
+            self._admitted[self._admitting] += 1
             seq = self.sched.arrive(r, now)
             self.sequences.append(seq)
             # Sized once for every token it will hold: no KV buffer ever grows mid-run.
@@ -169,6 +178,7 @@ class RealEngine:
         wall = time.perf_counter()
         clock.start()
         while True:
+            self._admitting = "busy" if self._idle_since is None else "idle"
             self._admit(clock.now())
             batch = sched.next_batch(clock.now())
             if sched.swaps != self._swaps:
@@ -246,6 +256,7 @@ class RealEngine:
         start = now = clock.now()
         start_cursor = state.cursor
         stages = 0
+        self._admitting = "within"
         partner = sched.merge_partner()
         while not state.done:
             ref = runner.step(state)
@@ -304,6 +315,10 @@ class RealEngine:
         idle_s = max(start_s - self._idle_since, 0.0) if self._idle_since is not None else 0.0
         self._idle_since = None  # busy until the scheduler next has nothing to run
         self._busy_segments += 1
+        admitted = self._admitted
         self.segments.append(Segment(batch.id, batch.phase.value, self._shapes[batch.id],
                                      start_cursor, end_cursor, start_s, end_s, idle_s,
-                                     preempted, merged, batch.plan.bound, faults))  # fmt: skip
+                                     preempted, merged, batch.plan.bound, faults,
+                                     admitted["busy"], admitted["within"]))  # fmt: skip
+        self._admitted = {"busy": 0, "idle": 0, "within": 0}
+        self._admitting = "within"  # until the loop admits again (a merge's segment goes on)

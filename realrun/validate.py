@@ -400,7 +400,8 @@ class ProfileSource:
         return self.prof is not None
 
     def add_points(self, points: list) -> None:
-        """Points measured outside the profiler (``engine_host``): in the final profile."""
+        """Points measured outside the profiler (``engine_host``, ``engine_admit``): in the
+        final profile."""
         self.extra = list(points)
 
     def _build(self, points):
@@ -715,12 +716,27 @@ def bucket(value: int, edges: tuple[int, ...]) -> str:
 IDLE_AFTER_S = 1e-3  # an idle time before a segment longer than this is a gap ("after idle")
 
 
+def host_term(profile, op: str):
+    """The profile's ``engine_host`` or ``engine_admit`` as the simulator reads it (batch size,
+    or requests admitted -> seconds, interference applied; 0 for no request), or None."""
+    from sim.latency import Curve1D
+
+    points = profile.op_points(op)
+    if not points:
+        return None
+    curve = Curve1D(points, "batch_size")
+    return lambda n: curve.scalar(n) * profile.interference if n > 0 else 0.0
+
+
 def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
-                   host=None, run: int | None = None, load: str = "") -> list[dict]:  # fmt: skip
+                   host=None, run: int | None = None, load: str = "",
+                   admit=None) -> list[dict]:  # fmt: skip
     """One row per executed segment: its shape, measured and predicted time (``latency``'s
-    plan for that batch), and the engine's host time just before it (``host_gap_s``, see
-    ``host_gaps``) beside what ``host`` (batch size -> seconds: the ``engine_host`` term)
-    predicts for it; ``run``: the real run's place in the validation's order (0 first);
+    plan for that batch, plus ``admit`` of the requests the engine admitted within it), and
+    the engine's host time just before it (``host_gap_s``, see ``host_gaps``) beside what
+    ``host`` (batch size -> seconds: the ``engine_host`` term) and ``admit`` (requests ->
+    seconds: ``engine_admit``, of those admitted in that time) predict for it; ``run``: the
+    real run's place in the validation's order (0 first);
     ``load``: the point's (``load_label``); ``since_idle``: the segments since the run's last
     idle gap (0: the first after it; None before the first)."""
     rows = []
@@ -738,6 +754,8 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
                    else None)  # fmt: skip
         predicted_s, wake_s = predict_segment(latency, seg, wake=wake or (0.0, 0.0),
                                               partner=partner)  # fmt: skip
+        if admit is not None:  # arrivals admitted at a preemptible boundary, mid-segment
+            predicted_s += admit(seg.admitted_within)
         if wake is not None:
             busy_s = wake[1] + predicted_s - wake_s
             wake = (wake[0], busy_s) if busy_s < latency.wake_window_s else None
@@ -755,7 +773,9 @@ def iteration_rows(policy: str, rate: float, replay: int, segments, latency,
                      "after": "idle" if seg.idle_s > IDLE_AFTER_S else after,
                      "start_s": seg.start_s,
                      "host_gap_s": math.nan if host_gap_s is None else host_gap_s,
-                     "host_predicted_s": host(len(seg.shape)) if host else 0.0,
+                     "admitted": seg.admitted, "admitted_within": seg.admitted_within,
+                     "host_predicted_s": (host(len(seg.shape)) if host else 0.0)
+                     + (admit(seg.admitted) if admit else 0.0),
                      "measured_s": measured_s,
                      "predicted_s": predicted_s, "wake_s": wake_s,
                      "faults": math.nan if seg.faults is None else seg.faults,
@@ -972,10 +992,16 @@ def drift_warning(records: list[dict]) -> str | None:
 
 # The engine's host time calibration (``engine_host``): a burst of requests, one per batch
 # slot, all at once, the i-th generating HOST_STEPS * i tokens, so that decode batches of
-# every size from the largest down to 1 run HOST_STEPS times each; HOST_ROUNDS times.
+# every size from the largest down to 1 run HOST_STEPS times each; HOST_ROUNDS times. Each
+# round after the first adds HOST_ADMITS requests of one token arriving one at a time, spread
+# over the first round's run, whose admissions (``engine_admit``) land between iterations.
+# Admitting a request took 120-155 us on the tiny presets (the host gap after an iteration
+# during which one arrived, over the gaps after none; process clock, 2026-12-05): unmodelled
+# before, about 1% of an overloaded run's time.
 HOST_STEPS = 3
 HOST_ROUNDS = 3
 HOST_PROMPT_TOKENS = 16
+HOST_ADMITS = 8
 
 
 def host_gaps(segments) -> list[float | None]:
@@ -990,31 +1016,54 @@ def host_gaps(segments) -> list[float | None]:
     return gaps
 
 
-def fit_host(gaps: list[tuple[int, float]]) -> list:
-    """``engine_host`` points: a line a + b * batch size (both >= 0) fitted by least squares
-    through the median gap at each batch size, given at the smallest and largest size (the
-    latency model interpolates between them and extrapolates the slope)."""
-    from profiler.schema import OpPoint
-
+def host_line(gaps: list[tuple[int, float]]) -> tuple[float, float, list[int]]:
+    """(intercept, slope, the batch sizes measured) of a line a + b * batch size (both >= 0)
+    fitted by least squares through the median gap at each batch size; no sizes: no gaps."""
     by_size: dict[int, list[float]] = {}
     for size, gap in gaps:
         by_size.setdefault(size, []).append(gap)
     sizes = sorted(by_size)
     if not sizes:
-        return []
+        return 0.0, 0.0, []
     medians = [statistics.median(by_size[b]) for b in sizes]
     if len(sizes) == 1:
-        slope, intercept = 0.0, medians[0]
-    else:
-        slope, intercept = statistics.linear_regression(sizes, medians)
-        if slope < 0:
-            slope, intercept = 0.0, statistics.fmean(medians)
-        elif intercept < 0:  # through the origin
-            slope, intercept = sum(b * m for b, m in zip(sizes, medians, strict=True)) / sum(
-                b * b for b in sizes), 0.0  # fmt: skip
+        return medians[0], 0.0, sizes
+    slope, intercept = statistics.linear_regression(sizes, medians)
+    if slope < 0:
+        return statistics.fmean(medians), 0.0, sizes
+    if intercept < 0:  # through the origin
+        return 0.0, sum(b * m for b, m in zip(sizes, medians, strict=True)) / sum(
+            b * b for b in sizes), sizes  # fmt: skip
+    return intercept, slope, sizes
+
+
+def fit_host(gaps: list[tuple[int, float]]) -> list:
+    """``engine_host`` points: ``host_line`` through the gaps, given at the smallest and
+    largest size (the latency model interpolates between them and extrapolates the slope)."""
+    from profiler.schema import OpPoint
+
+    intercept, slope, sizes = host_line(gaps)
     return [OpPoint("engine_host", batch_size=b, median_ms=1e3 * (intercept + slope * b),
                     p90_ms=1e3 * (intercept + slope * b))
-            for b in dict.fromkeys((sizes[0], sizes[-1]))]  # fmt: skip
+            for b in dict.fromkeys(sizes[:1] + sizes[-1:])]  # fmt: skip
+
+
+def fit_admit(gaps: list[tuple[int, float]], admits: list[tuple[int, int, float]],
+              largest: int) -> list:  # fmt: skip
+    """``engine_admit`` points: the median over ``admits`` (batch size, requests admitted,
+    gap) of each gap's excess over ``host_line`` through ``gaps`` (the gaps with no
+    admission), per request admitted: a line through 0, given at 1 and ``largest`` (at least
+    2) requests; none without such gaps, or where admitting cost nothing measurable."""
+    from profiler.schema import OpPoint
+
+    intercept, slope, sizes = host_line(gaps)
+    if not admits or not sizes:
+        return []
+    per = statistics.median((gap - intercept - slope * size) / k for size, k, gap in admits)
+    if per <= 0:
+        return []
+    return [OpPoint("engine_admit", batch_size=k, median_ms=1e3 * per * k,
+                    p90_ms=1e3 * per * k) for k in (1, max(largest, 2))]  # fmt: skip
 
 
 def measure_engine_host(runner, sim_cfg, profile, largest_batch: int, clock: ClockKind,
@@ -1027,17 +1076,27 @@ def measure_engine_host(runner, sim_cfg, profile, largest_batch: int, clock: Clo
     from sim.run import build_scheduler
 
     vocab = runner.config.vocab_size
-    requests = [Request(i, LS if i % 2 else BE, 0.0, HOST_PROMPT_TOKENS, HOST_STEPS * (i + 1))
-                for i in range(largest_batch)]  # fmt: skip
-    prompts = {r.id: random_ids(HOST_PROMPT_TOKENS, vocab, seed + 7919, r.id) for r in requests}
-    gaps = []
+    burst = [Request(i, LS if i % 2 else BE, 0.0, HOST_PROMPT_TOKENS, HOST_STEPS * (i + 1))
+             for i in range(largest_batch)]  # fmt: skip
+    ids = range(largest_batch + HOST_ADMITS)
+    prompts = {i: random_ids(HOST_PROMPT_TOKENS, vocab, seed + 7919, i) for i in ids}
+    gaps, admits = [], []
+    span = None  # the first round's run, over which the later rounds' arrivals spread
     for _ in range(HOST_ROUNDS):
-        real = execute(requests, prompts, build_scheduler(sim_cfg, profile), runner,
+        singles = [] if span is None else [
+            Request(largest_batch + j, LS if j % 2 else BE, span * (j + 1) / (HOST_ADMITS + 1),
+                    HOST_PROMPT_TOKENS, 1) for j in range(HOST_ADMITS)]  # fmt: skip
+        real = execute(burst + singles, prompts, build_scheduler(sim_cfg, profile), runner,
                        sim_cfg.slo, make_clock(clock))  # fmt: skip
+        span = real.result.makespan_s if span is None else span
         segments = real.result.segments
-        pairs = zip(segments, host_gaps(segments), strict=True)
-        gaps += [(len(seg.shape), gap) for seg, gap in pairs if gap is not None]
-    return fit_host(gaps)
+        for seg, gap in zip(segments, host_gaps(segments), strict=True):
+            if gap is not None:
+                if seg.admitted:
+                    admits.append((len(seg.shape), seg.admitted, gap))
+                else:
+                    gaps.append((len(seg.shape), gap))
+    return fit_host(gaps) + fit_admit(gaps, admits, largest_batch)
 
 
 # What a validation writes at its end, from its runs (config.yaml and the profile come first).
@@ -1130,9 +1189,13 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None,
             host_points = measure_engine_host(runner, host_cfg, profile, largest_batch,
                                               ClockKind(cfg.clock), cfg.seed)  # fmt: skip
             source.add_points(host_points)
+            per_batch = [p for p in host_points if p.op == "engine_host"]
+            admit = [f"{p.median_ms * 1e3:.0f} us" for p in host_points
+                     if p.op == "engine_admit"][:1] or ["none measured"]  # fmt: skip
             print("engine host time per iteration (engine_host): "
                   + ", ".join(f"{p.median_ms * 1e3:.0f} us at batch {p.batch_size}"
-                              for p in host_points))  # fmt: skip
+                              for p in per_batch)
+                  + f"; per request admitted (engine_admit): {admit[0]}")  # fmt: skip
     reals = [[] for _ in cases]  # per case: each replay's summary, segments
     # time_budget_s: each point's predicted makespan, against which its runs are expected
     with phases("simulation"):
@@ -1192,15 +1255,10 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None,
 
         print(self_check_line(profile.extra["self_check"]))
     records, rows = [], []
-    segment_profile = dataclasses.replace(
-        profile, points=[p for p in profile.points if p.op != "engine_host"])  # fmt: skip
-    host_points = profile.op_points("engine_host")
-    host = None
-    if host_points:
-        from sim.latency import Curve1D
-
-        curve = Curve1D(host_points, "batch_size")
-        host = lambda size: curve.scalar(size) * profile.interference  # noqa: E731
+    segment_profile = dataclasses.replace(profile, points=[
+        p for p in profile.points if p.op not in ("engine_host", "engine_admit")])  # fmt: skip
+    host = host_term(profile, "engine_host")
+    admit = host_term(profile, "engine_admit")
     beyond = []  # what the simulations read beyond the profile's grid: one warning for all
     for i, (u, rate, policy) in enumerate(cases):
         if not reals[i]:  # time_budget_s: not run (cut_message named it)
@@ -1212,7 +1270,7 @@ def run_validation(cfg: DictConfig, phases: Phases | None = None,
         for replay, (_, segments, place, probes) in enumerate(reals[i]):
             with phases("iteration predictions"):
                 replay_rows = iteration_rows(policy, rate, replay, segments, predictor, host,
-                                             place, load)  # fmt: skip
+                                             place, load, admit)  # fmt: skip
             rows += replay_rows
             speeds.append(run_speed(replay_rows))
             windows += window_speeds(replay_rows)

@@ -145,6 +145,10 @@ class Simulation:
         self.run_kept = 0
         # the sequences (ids, in order) of the last decode steps, whose padded KV is bound
         self._bound: tuple[int, ...] | None = None
+        # arrivals whose admission (the profile's engine_admit) the executor has yet to pay:
+        # the real engine admits them between iterations, before it runs the next batch
+        self._admits_owed = 0
+        self._admits_cost = latency.admit is not None
 
     # ------------------------------------------------------------------------------ processes
     def _arrivals(self):
@@ -159,6 +163,8 @@ class Simulation:
         seq = self.sched.arrive(req, self.env.now)
         if self.keep_sequences:
             self.sequences.append(seq)
+        if self._admits_cost:
+            self._admits_owed += 1
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
         elif self._in_run and self._cuts_run(seq):
@@ -183,6 +189,8 @@ class Simulation:
         """Whether an arrival during a fast-forwarded run changes what the run assumed: the
         policy preempts the batch, or would select otherwise before the run's end."""
         sched = self.sched
+        if self._admits_cost:  # its admission runs before the next iteration
+            return True
         if sched.preemptible and sched.should_preempt(self.env.now):
             return True
         return sched.decode_run_on_arrival(seq) < self._run_iterations
@@ -212,6 +220,11 @@ class Simulation:
             if batch.plan is None:
                 batch.plan = self.latency.plan(batch, self._binds(batch))
             start = env.now
+            if self._admits_owed:  # the engine admits what arrived before it runs the batch
+                admit_s = self.latency.admit_s(self._admits_owed)
+                self._admits_owed = 0
+                yield env.timeout(admit_s)
+                self.events += 1
             if self._idle_since is not None:  # the device sat idle: it wakes up first
                 self._wake = (env.now - self._idle_since, 0.0)
                 self._idle_since = None
@@ -292,8 +305,11 @@ class Simulation:
         sched = self.sched
         n = sched.decode_run(batch)
         upcoming = self.upcoming.request if self.upcoming is not None else None
-        if n > 1 and upcoming is not None and sched.policy.arrival_ends_run(sched, batch,
-                                                                            upcoming):  # fmt: skip
+        if (
+            n > 1
+            and upcoming is not None
+            and (self._admits_cost or sched.policy.arrival_ends_run(sched, batch, upcoming))
+        ):
             # plan only up to about the next arrival, which will end the run there: a longer
             # plan would be thrown away (a run may end anywhere; the results are the same)
             ahead = upcoming.arrival_s - self.env.now

@@ -756,6 +756,9 @@ class LatencyModel:
                            if chunk_points else None)  # fmt: skip
         switch_points = profile.op_points("preempt_switch")
         self.switch = Curve1D(switch_points, "num_tokens") if switch_points else None
+        admit_points = profile.op_points("engine_admit")
+        # the engine's host time to admit k arrivals (None: the profile has none, free)
+        self.admit = Curve1D(admit_points, "batch_size") if admit_points else None
         wake_points = profile.op_points("wake_up")
         self.wake = WakeUp(wake_points) if wake_points else None
         # busy time after a wake-up past which nothing of it is left (0: all at the first batch)
@@ -771,13 +774,20 @@ class LatencyModel:
         curves += [self.expert, self.lm_head]
         curves += [self.overhead, self.attn_prefill_batch, self.attn_chunk, self.switch]
         curves += [self.attn_prefill_outer, self.attn_prefill_first, self.attn_prefill_next]
-        curves += [self.prepare_decode, self.prepare_prefill, self.lm_head_prefill]
+        curves += [self.prepare_decode, self.prepare_prefill, self.lm_head_prefill, self.admit]
         return [c for c in curves if c is not None]
 
     def extrapolations(self) -> list[str]:
         """Every op this model has extrapolated beyond its profile grid so far, with the
         largest input (empty when it never left the grids)."""
         return [line for c in self.curves() for line in c.extrapolations()]
+
+    def admit_s(self, arrivals: int) -> float:
+        """The engine's host time to admit ``arrivals`` requests at once (the profile's
+        ``engine_admit``; 0 without it)."""
+        if self.admit is None or arrivals <= 0:
+            return 0.0
+        return self.admit.scalar(arrivals)
 
     def switch_s(self, batch: Batch) -> float:
         return self.switch.scalar(batch.new_tokens) if self.switch is not None else 0.0

@@ -475,3 +475,50 @@ def test_sglang_runs_end_where_the_ratios_decay_admits_the_head(arrival_s, monke
     stale, _ = sglang_decay_runs(arrival_s, on_decodes=lambda self, s, batch, ends_s: None,
                                  monkeypatch=monkeypatch)  # fmt: skip
     assert not same_tokens(stale, ref)
+
+
+def admit_points(per_ms: float) -> list:
+    return [OpPoint("engine_admit", batch_size=k, median_ms=per_ms * k, p90_ms=per_ms * k)
+            for k in (1, 32)]  # fmt: skip
+
+
+def test_the_engines_admission_of_arrivals_is_charged_before_the_next_batch():
+    """``engine_admit``: a lone request starts (and ends) its admission later than without the
+    term; two arriving together, twice that; an arrival in the middle of a decode run delays
+    the rest of the run by its admission, on both paths alike."""
+    profile = linear_profile(attn_ms=1.3, expert_ms=0.37, overhead_ms=2.9)
+    admitting = replace(profile, points=profile.points + admit_points(0.25))
+    m = profile.model
+
+    def finishes(prof, reqs, fast_forward=True):
+        routing = RoutingModel(m.num_layers, m.num_experts, m.top_k, seed=0)
+        sched = Scheduler(IterationFCFS(), kv_capacity_tokens=100_000)
+        sim = Simulation(reqs, sched, LatencyModel(prof, routing), fast_forward=fast_forward)
+        return [s.finish_s for s in sorted(sim.run().sequences, key=lambda s: s.id)]
+
+    lone = [Request(0, "BE", 0.0, prompt_tokens=17, output_tokens=20)]
+    assert finishes(admitting, lone)[0] - finishes(profile, lone)[0] == pytest.approx(0.25e-3)
+    pair = [Request(i, "BE", 0.0, prompt_tokens=17, output_tokens=20) for i in range(2)]
+    assert np.subtract(finishes(admitting, pair), finishes(profile, pair)) == pytest.approx(
+        [0.5e-3, 0.5e-3])  # fmt: skip
+    # the second arrives while the first decodes: one admission each, the second's delaying
+    # the first's remaining iterations too
+    later = [lone[0], Request(1, "BE", 0.1, prompt_tokens=17, output_tokens=5)]
+    moved = np.subtract(finishes(admitting, later), finishes(profile, later))
+    assert moved == pytest.approx([0.5e-3, 0.5e-3])
+    assert finishes(admitting, later, False) == finishes(admitting, later, True)
+
+
+@pytest.mark.parametrize("policy", ["iteration", "qllm", "vllm", "sglang"])
+def test_fast_forward_with_an_admission_term(tmp_path, policy):
+    """Every arrival's admission (``engine_admit``) is paid before the next iteration: an
+    arrival ends a fast-forwarded run there, so both paths pay it at the same boundary."""
+    base = profiles.load("h200-mixtral-bf16")
+    path = replace(base, points=base.points + admit_points(0.2)).save(tmp_path / "p")
+    overrides = [*POLICIES[policy], *WORKLOADS["paper"], f"profile.path={path}"]
+    ff, ref = run(overrides, True), run(overrides, False)
+    assert_same(ff, ref)
+    assert ff.result.events < ref.result.events
+    plain = run([*overrides[:-1], "profile=h200-mixtral-bf16"], True)
+    first = [r.requests.sort_values("arrival_s").iloc[0] for r in (ff, plain)]
+    assert first[0].ttft_s - first[1].ttft_s == pytest.approx(0.2e-3)  # the term was charged

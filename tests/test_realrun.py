@@ -4,6 +4,7 @@ output schema plus a Chrome trace; idle waits sleep; user errors are one line.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -107,6 +108,28 @@ def test_virtual_clock_runs_are_deterministic(f64):
         result = RealEngine(requests, prompts, sched, runner, VirtualClock(STAGE_S)).run()
         runs.append([(s.id, s.first_token_s, s.finish_s, s.preemptions) for s in result.sequences])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("name", ["iteration", "qllm"])
+def test_each_segment_counts_the_requests_admitted_before_and_within_it(f64, name):
+    """``Segment.admitted``: requests the engine admitted in the host time just before the
+    segment, ``admitted_within``: at a preemptible boundary inside it (qllm's); one arriving
+    at an idle engine is in neither (its admission is in the segment's idle time)."""
+    runner, requests, prompts, _ = f64
+    by_id = {r.id: r for r in requests}
+    arrivals = {0: 0.0, 1: 0.2, 2: 0.5, 3: 0.8, 4: 0.8}  # 1-4 while 0 runs, 3 and 4 together
+    reqs = [dataclasses.replace(by_id[i], arrival_s=t, output_tokens=30 if i == 0 else 2)
+            for i, t in arrivals.items()]  # fmt: skip
+    sched = Scheduler(policy(name), kv_capacity_tokens=100_000)
+    segments = RealEngine(reqs, prompts, sched, runner, VirtualClock(STAGE_S)).run().segments
+    before = [seg.admitted for seg in segments]
+    within = [seg.admitted_within for seg in segments]
+    assert before[0] == within[0] == 0  # request 0 found the engine idle
+    assert sum(before) + sum(within) == 4
+    if name == "iteration":  # admitted only between iterations
+        assert sorted(n for n in before if n) == [1, 1, 2] and not any(within)
+    else:
+        assert any(within)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="page faults via resource")

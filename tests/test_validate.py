@@ -41,6 +41,7 @@ from realrun.validate import (
     cut_message,
     drift_warning,
     duty_warning,
+    fit_admit,
     fit_host,
     host_gaps,
     iteration_errors,
@@ -207,6 +208,12 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     host = ops[ops["op"] == "engine_host"].sort_values("batch_size")
     assert list(host["batch_size"]) == [1, 10] and (host["median_ms"] > 0).all()
     assert host["median_ms"].is_monotonic_increasing
+    # and per request admitted, on the single arrivals of the later bursts: a line through 0
+    # (admitting one took 120-155 us on this machine's process clock)
+    admit = ops[ops["op"] == "engine_admit"].sort_values("batch_size")
+    assert list(admit["batch_size"]) == [1, 10]
+    assert admit["median_ms"].iloc[1] == pytest.approx(10 * admit["median_ms"].iloc[0])
+    assert 0.005 < admit["median_ms"].iloc[0] < 5
     wake = ops[ops["op"] == "wake_up"]
     assert sorted(set(wake["idle_ms"])) == [0, 5, 40]
     for idle_ms in (5, 40):  # what is left of the wake-up, by the work done since
@@ -238,6 +245,13 @@ def test_small_validation_writes_finite_consistent_records_and_a_plot(
     assert gaps.isna().sum() == segments.groupby(["policy", "rate", "replay"]).ngroups
     assert (gaps.dropna() >= 0).all() and (segments["host_predicted_s"] > 0).all()
     assert segments["host_gap_s"].median() > 0  # the engine's own time between segments
+    # its predicted host time: engine_host at the batch size, engine_admit of the requests
+    # it admitted (the loaded point's arrivals come while it is busy)
+    assert segments["admitted"].sum() > 0 and (segments["admitted"] >= 0).all()
+    host_s = np.interp(segments["size"], host["batch_size"], host["median_ms"] / 1e3)
+    admit_s = segments["admitted"] * admit["median_ms"].iloc[0] / 1e3
+    assert segments["host_predicted_s"].to_numpy() == pytest.approx(
+        (host_s + admit_s) * saved["interference"], rel=1e-4)  # fmt: skip
     # a run's decode iterations both bind new batches' KV and reuse the last one's
     decode = segments[segments["phase"] == "decode"]
     assert set(decode["bound"]) == {True, False}
@@ -876,6 +890,36 @@ def test_the_segments_after_an_idle_gap_share_its_wake_up_as_the_simulator_charg
     assert ("prefill after", "start") not in groups  # decode iterations only
 
 
+def test_admissions_are_predicted_in_the_host_time_or_the_segment_they_were_made_in():
+    """``engine_admit`` of the requests admitted just before a segment goes with the host time
+    before it, of those admitted at a boundary within it with the segment's own prediction."""
+
+    def latency():  # the same routing draws for each call
+        return LatencyModel(linear_profile(), RoutingModel(4, 8, 2, seed=0))
+
+    decode = [("decode", 1, 20)] * 2
+    end = latency().plan(shape_batch("decode", decode)).num_stages
+    seg = Segment(0, "decode", decode, 0, end, 0.0, 0.014, 0.0, False)
+    segs = [seg, replace(seg, admitted=2), replace(seg, admitted_within=1)]
+
+    def host(size):
+        return 1e-5 * size
+
+    def admit(n):
+        return 1.3e-4 * n
+
+    plain = iteration_rows("fcfs", 1.0, 0, segs, latency(), host)
+    rows = iteration_rows("fcfs", 1.0, 0, segs, latency(), host, admit=admit)
+    assert [r["admitted"] for r in rows] == [0, 2, 0]
+    assert [r["admitted_within"] for r in rows] == [0, 0, 1]
+    pairs = list(zip(rows, plain, strict=True))
+    assert [r["host_predicted_s"] - p["host_predicted_s"] for r, p in pairs] == pytest.approx(
+        [0.0, 2.6e-4, 0.0])  # fmt: skip
+    assert [r["predicted_s"] - p["predicted_s"] for r, p in pairs] == pytest.approx(
+        [0.0, 0.0, 1.3e-4])  # fmt: skip
+    assert plain[0]["host_predicted_s"] == pytest.approx(2e-5)
+
+
 def test_decode_steps_are_grouped_by_load_and_by_the_steps_since_the_last_idle_gap():
     """A run that starts busy (no gap yet), then a gap before a prefill and six decode steps,
     then another gap: each decode step in its load's bucket of steps since the gap."""
@@ -1126,6 +1170,22 @@ def test_the_host_time_line_is_fitted_through_the_median_at_each_batch_size():
     assert [p.median_ms for p in flat] == pytest.approx([0.02, 0.02])
     assert [p.median_ms for p in fit_host([(4, 5e-5)])] == pytest.approx([0.05])
     assert fit_host([]) == []
+
+
+def test_the_admission_line_is_the_median_excess_per_request_over_the_host_line():
+    """``engine_admit``: the gaps in which the engine admitted k requests, less the host time
+    line through the gaps with none, per request (the median: an outlier is ignored)."""
+    gaps = [(b, (20 + 5 * b) * 1e-6) for b in (1, 2, 4, 8) for _ in range(3)]
+    admits = [(b, k, (20 + 5 * b + 130 * k) * 1e-6) for b in (2, 8) for k in (1, 1, 2)]
+    admits += [(4, 1, 5e-3)]
+    points = fit_admit(gaps, admits, largest=16)
+    assert [(p.op, p.batch_size) for p in points] == [("engine_admit", 1), ("engine_admit", 16)]
+    assert [p.median_ms for p in points] == pytest.approx([0.13, 16 * 0.13])
+    assert [p.batch_size for p in fit_admit(gaps, admits, largest=1)] == [1, 2]  # a line
+    assert fit_admit(gaps, [], largest=16) == []  # nothing admitted while busy
+    assert fit_admit([], admits, largest=16) == []  # no line to measure the excess over
+    free = [(b, k, (20 + 5 * b) * 1e-6 - 1e-7) for b, k, _ in admits]
+    assert fit_admit(gaps, free, largest=16) == []  # admitting cost nothing measurable
 
 
 def test_phases_add_up_each_phase_and_name_the_rest_other(monkeypatch):
