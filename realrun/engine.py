@@ -149,10 +149,11 @@ class RealEngine:
         self._idle_since: float | None = 0.0
         self._next = 0  # index of the next request to arrive
         self._swaps = 0  # the scheduler's swap count when swapped-out KV was last moved
-        # requests admitted since the last segment ended while the engine had work, after it
-        # sat idle, and within the segment in progress (Segment.admitted, admitted_within)
-        self._admitted = {"busy": 0, "idle": 0, "within": 0}
-        self._admitting = "busy"
+        # requests admitted since the last segment ended while the engine had work, and within
+        # the segment in progress (Segment.admitted, admitted_within); which of the two an
+        # admission counts in (None: after an idle gap, in the next segment's idle_s)
+        self._admitted = {"busy": 0, "within": 0}
+        self._admitting: str | None = None
 
     # ----------------------------------------------------------------------------- arrivals
     def _admit(self, now: float) -> None:
@@ -160,7 +161,8 @@ class RealEngine:
         while self._next < len(requests) and requests[self._next].arrival_s <= now:
             r = requests[self._next]
             self._next += 1
-            self._admitted[self._admitting] += 1
+            if self._admitting is not None:
+                self._admitted[self._admitting] += 1
             seq = self.sched.arrive(r, now)
             self.sequences.append(seq)
             # Sized once for every token it will hold: no KV buffer ever grows mid-run.
@@ -178,7 +180,7 @@ class RealEngine:
         wall = time.perf_counter()
         clock.start()
         while True:
-            self._admitting = "busy" if self._idle_since is None else "idle"
+            self._admitting = "busy" if self._idle_since is None else None
             self._admit(clock.now())
             batch = sched.next_batch(clock.now())
             if sched.swaps != self._swaps:
@@ -320,5 +322,5 @@ class RealEngine:
                                      start_cursor, end_cursor, start_s, end_s, idle_s,
                                      preempted, merged, batch.plan.bound, faults,
                                      admitted["busy"], admitted["within"]))  # fmt: skip
-        self._admitted = {"busy": 0, "idle": 0, "within": 0}
+        self._admitted = {"busy": 0, "within": 0}
         self._admitting = "within"  # until the loop admits again (a merge's segment goes on)
