@@ -8,12 +8,21 @@ call so that every call runs the very same step (the same token, so the same exp
 work before it left, not the host's speed (tiny-qwen2-moe, 2026-12-03, medians of about 100
 each: 4.01 ms after a decode step of 32 sequences, 3.88 after a prefill of 1,024 tokens, 3.34
 after a step of one sequence and 3.12 after another probe; the timed step after one untimed:
-3.33, 3.34, 3.29 and 3.21). In the first `make validate` with a single step (2026-12-03
-12:14), tiny-qwen2-moe's runs at light load (small steps before each probe) took 1.10x the time
-their probes implied, at overload (large ones) 0.93x. The real engine tells it how much work has
-run (``work``); every ``every_s`` of that, ``maybe()`` runs it once, between iterations (its
-time left out of the run's clock). The profiler runs it at the start of each pass and after
-each shape's visit, and files the visit's samples divided by the probe around them
+3.33, 3.34, 3.29 and 3.21). In the first `make validate` with a single step (2026-12-03 12:14),
+tiny-qwen2-moe's runs at light load (small steps before each probe) took 1.10x the time their
+probes implied, at overload (large ones) 0.93x. One untimed step was not enough either: in one
+process (2026-12-05, 40 rounds in a random order, medians over the timed step after a probe),
+the timed step after one untimed ran 1.11x and 1.14x after a decode step of 32 sequences and
+1.18x and 1.16x after a prefill of 1,024 tokens (tiny-qwen2-moe, tiny-mixtral), 0.99x-1.02x
+after a step of one sequence; after two untimed 1.04x-1.10x; after three 1.00x-1.06x
+(tiny-qwen2-moe twice, tiny-mixtral, tiny-olmoe). So an overload run's probes (after large
+steps) read the host slower than a light run's, and slower than the profile's (after shapes of
+every size): in the `make validate` runs of that day the probe read the overload runs 3-10%
+slower than their own iterations ran, and the host-normalized figures at overload fell to 16-29
+of 60 means within 10%. So it runs three untimed steps. The real engine tells it how much work
+has run (``work``); every ``every_s`` of that, ``maybe()`` runs it once, between iterations
+(its time left out of the run's clock). The profiler runs it at the start of each pass and
+after each shape's visit, and files the visit's samples divided by the probe around them
 (``Profiler.normalize``): the profile is held in probe steps and read at the mean probe's
 speed. So both sample the machine's speed at the moments they ran, not a minute before or
 after.
@@ -24,9 +33,9 @@ runs' speeds against their profile, 2026-12-02); the host's speed over 0.5 s win
 0.4-0.7 of itself into the next window. The same step interleaved within the runs every 50 ms
 of work followed it: over 24 real runs of tiny-qwen3-moe near the knee and at overload
 (2026-12-03), the runs' mean probe time correlated 0.97 and 0.99 with their speed against the
-profile, whose spread (CV 7.6% and 13.7%) fell to 2.0% and 3.3% divided by it. The probe (two
-steps of 2.7-3.7 ms on the tiny presets every 100 ms of work) costs some 5-7% more work, which
-the run's clock does not count.
+profile, whose spread (CV 7.6% and 13.7%) fell to 2.0% and 3.3% divided by it. The probe (four
+steps of 2.7-3.7 ms on the tiny presets every 100 ms of work; two until 2026-12-05) costs some
+10-15% more work, which the run's clock does not count.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from profiler.ops import ModelRunner
 
 PROBE_KV = 64  # the probe sequence's cached tokens
 PROBE_EVERY_S = 0.1  # other work between two probes (seconds on the owner's clock)
-PROBE_WARM_STEPS = 1  # untimed steps before the timed one
+PROBE_WARM_STEPS = 3  # untimed steps before the timed one (see above: one left 11-18%)
 # The real engine runs the probe only this many segments or more after an idle gap: the first
 # steps after one run slower (the wake-up, which the profile measures and the simulator
 # charges), and a probe among them would read that as the host's speed.
